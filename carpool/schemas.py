@@ -1,0 +1,170 @@
+"""Wire formats: OpenAI-compatible embeddings and the common rerank shape.
+
+Kept apart from the logic so the HTTP contract is readable in one place. Field limits here
+are hard caps on what a request can describe; the pipelines' ``Args`` apply tighter,
+configurable limits on top.
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator
+
+# Hard caps that keep one request from describing unbounded work (configurable caps are lower).
+MAX_ITEMS_HARD = 4096
+MAX_TEXT_CHARS_HARD = 1_000_000
+
+
+def _check_texts(values: list[str], field: str) -> list[str]:
+    for i, text in enumerate(values):
+        if not text.strip():
+            raise ValueError(
+                f"{field}[{i}] is empty or only whitespace; remove it or send non-empty text"
+            )
+    return values
+
+
+class EmbeddingRequest(BaseModel):
+    """``POST /embed/v1/embeddings``: OpenAI's embeddings request."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    input: str | list[str] = Field(
+        description="Text to embed, or a list of texts (each embedded separately)."
+    )
+    model: str | None = Field(
+        default=None, max_length=256, description="Served model name; omit to use the default."
+    )
+    encoding_format: Literal["float", "base64"] = Field(
+        default="float", description="'float' lists, or base64 of little-endian float32."
+    )
+    dimensions: int | None = Field(
+        default=None, description="Not supported: the model's full dimension is always returned."
+    )
+    user: str | None = Field(default=None, max_length=256, description="Ignored; accepted.")
+    truncate: bool = Field(
+        default=True,
+        description="carpool extension: cut inputs longer than the model's limit (and say so) "
+        "instead of refusing them with 413.",
+    )
+
+    @field_validator("input")
+    @classmethod
+    def _non_empty(cls, value: str | list[str]) -> str | list[str]:
+        texts = [value] if isinstance(value, str) else value
+        if not texts:
+            raise ValueError("input is an empty list; send at least one string")
+        if len(texts) > MAX_ITEMS_HARD:
+            raise ValueError(f"input has {len(texts)} items; send at most {MAX_ITEMS_HARD}")
+        for i, text in enumerate(texts):
+            if len(text) > MAX_TEXT_CHARS_HARD:
+                raise ValueError(
+                    f"input[{i}] has {len(text)} characters; send at most {MAX_TEXT_CHARS_HARD}"
+                )
+        _check_texts(texts, "input")
+        return value
+
+    def texts(self) -> list[str]:
+        return [self.input] if isinstance(self.input, str) else list(self.input)
+
+
+class EmbeddingData(BaseModel):
+    object: Literal["embedding"] = "embedding"
+    index: int
+    embedding: list[float] | str
+    truncated: bool = Field(
+        default=False, description="carpool extension: the input was cut to the model's limit."
+    )
+
+
+class Usage(BaseModel):
+    prompt_tokens: int
+    total_tokens: int
+
+
+class EmbeddingResponse(BaseModel):
+    object: Literal["list"] = "list"
+    data: list[EmbeddingData]
+    model: str
+    usage: Usage
+
+
+class RerankRequest(BaseModel):
+    """``POST /rank/v1/rerank``: the rerank shape shared by Cohere, Jina and TEI."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    query: str = Field(min_length=1, max_length=MAX_TEXT_CHARS_HARD, description="The query.")
+    documents: list[str] = Field(description="Documents to score against the query.")
+    top_n: int | None = Field(
+        default=None, ge=1, description="Return only the best N results (default: all)."
+    )
+    return_documents: bool = Field(
+        default=False, description="Include each document's text in its result."
+    )
+    model: str | None = Field(
+        default=None, max_length=256, description="Served model name; omit to use the default."
+    )
+    raw_scores: bool = Field(
+        default=False,
+        description="carpool extension: return raw scores instead of sigmoid-scaled ones.",
+    )
+    truncate: bool = Field(
+        default=True,
+        description="carpool extension: cut query-document pairs longer than the model's "
+        "limit instead of refusing them with 413.",
+    )
+
+    @field_validator("query")
+    @classmethod
+    def _query_not_blank(cls, value: str) -> str:
+        if not value.strip():
+            raise ValueError("query is only whitespace; send the text to rank documents against")
+        return value
+
+    @field_validator("documents")
+    @classmethod
+    def _docs(cls, value: list[str]) -> list[str]:
+        if not value:
+            raise ValueError("documents is an empty list; send at least one document")
+        if len(value) > MAX_ITEMS_HARD:
+            raise ValueError(f"documents has {len(value)} items; send at most {MAX_ITEMS_HARD}")
+        for i, text in enumerate(value):
+            if len(text) > MAX_TEXT_CHARS_HARD:
+                raise ValueError(
+                    f"documents[{i}] has {len(text)} characters; send at most {MAX_TEXT_CHARS_HARD}"
+                )
+        return _check_texts(value, "documents")
+
+
+class RerankDocument(BaseModel):
+    text: str
+
+
+class RerankResult(BaseModel):
+    index: int
+    relevance_score: float
+    document: RerankDocument | None = None
+    truncated: bool = False
+
+
+class RerankUsage(BaseModel):
+    total_tokens: int
+
+
+class RerankResponse(BaseModel):
+    model: str
+    results: list[RerankResult]
+    usage: RerankUsage
+
+
+class ModelCard(BaseModel):
+    id: str
+    object: Literal["model"] = "model"
+    owned_by: str = "carpool"
+
+
+class ModelList(BaseModel):
+    object: Literal["list"] = "list"
+    data: list[ModelCard]

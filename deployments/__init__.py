@@ -1,0 +1,1 @@
+"""Model deployments: one module per model role, each a thin Serve shell over a plain class."""

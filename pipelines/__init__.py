@@ -1,0 +1,1 @@
+"""Pipelines: one Serve application per pipeline, each with its own HTTP ingress."""

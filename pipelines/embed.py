@@ -1,0 +1,149 @@
+"""``/embed``: OpenAI-compatible embeddings over the batched embedder deployment.
+
+``serve run pipelines.embed:app`` serves it alone; the default serve config deploys it with
+the other pipelines.
+"""
+
+
+import base64
+from typing import Any
+
+from fastapi.responses import JSONResponse
+from pydantic import Field
+from ray import serve
+from ray.serve.deployment import Application
+from ray.serve.handle import DeploymentHandle
+
+from carpool.config import IngressConfig, StrictModel
+from carpool.errors import RequestError
+from carpool.http import MAX_BODY_BYTES, call_backend, make_api
+from carpool.schemas import (
+    EmbeddingData,
+    EmbeddingRequest,
+    EmbeddingResponse,
+    ModelCard,
+    ModelList,
+    Usage,
+)
+from deployments.embedder import EmbedderConfig, EmbedResult, build_embedding_deployment
+
+
+class EmbedArgs(StrictModel):
+    """Arguments of the embed pipeline (the ``args:`` of its serve config entry)."""
+
+    embedder: EmbedderConfig = Field(default_factory=EmbedderConfig)
+    ingress: IngressConfig = Field(default_factory=IngressConfig)
+    max_inputs_per_request: int = Field(
+        default=256, ge=1, le=4096, description="Most texts one request may carry."
+    )
+    max_chars_per_input: int = Field(
+        default=32_000,
+        ge=1,
+        le=1_000_000,
+        description="Longest text accepted, in characters (bounds tokenizer work per request).",
+    )
+
+
+api = make_api(
+    "carpool embed",
+    "OpenAI-compatible embeddings with length-aware dynamic batching.",
+    MAX_BODY_BYTES,
+)
+
+
+def encode_vector(vector: Any, encoding_format: str) -> list[float] | str:
+    if encoding_format == "base64":
+        return base64.b64encode(vector.astype("<f4").tobytes()).decode("ascii")
+    return vector.tolist()
+
+
+def check_model(requested: str | None, served: str) -> None:
+    if requested is not None and requested != served:
+        raise RequestError(
+            404,
+            f"model {requested!r} is not served here; use {served!r} or omit model",
+            param="model",
+            code="model_not_found",
+        )
+
+
+@serve.ingress(api)
+class EmbedIngress:
+    """HTTP front of the embed pipeline: validates, forwards, formats."""
+
+    def __init__(self, embedder: DeploymentHandle, args: dict[str, Any]) -> None:
+        self.args = EmbedArgs.model_validate(args)
+        self.embedder = embedder
+        self.model_name = self.args.embedder.source.served_model_name or "embedder"
+
+    @api.post("/v1/embeddings", response_model=EmbeddingResponse)
+    async def embeddings(self, body: EmbeddingRequest) -> JSONResponse:
+        check_model(body.model, self.model_name)
+        if body.dimensions is not None:
+            raise RequestError(
+                400,
+                "dimensions is not supported: this model always returns its full size; "
+                "remove dimensions (and cut vectors client-side if you must)",
+                param="dimensions",
+            )
+        texts = body.texts()
+        if len(texts) > self.args.max_inputs_per_request:
+            raise RequestError(
+                400,
+                f"input has {len(texts)} texts; send at most "
+                f"{self.args.max_inputs_per_request} per request",
+                param="input",
+            )
+        for i, text in enumerate(texts):
+            if len(text) > self.args.max_chars_per_input:
+                raise RequestError(
+                    413,
+                    f"input[{i}] has {len(text)} characters; send at most "
+                    f"{self.args.max_chars_per_input}",
+                    param=f"input[{i}]",
+                )
+        result: EmbedResult = await call_backend(
+            "embedder", self.embedder.embed.remote(texts, body.truncate)
+        )
+        tokens = sum(result.token_counts)
+        response = EmbeddingResponse(
+            data=[
+                EmbeddingData(
+                    index=i,
+                    embedding=encode_vector(vector, body.encoding_format),
+                    truncated=cut,
+                )
+                for i, (vector, cut) in enumerate(
+                    zip(result.vectors, result.truncated, strict=True)
+                )
+            ],
+            model=result.model,
+            usage=Usage(prompt_tokens=tokens, total_tokens=tokens),
+        )
+        return JSONResponse(response.model_dump(exclude_none=True))
+
+    @api.get("/v1/models", response_model=ModelList)
+    async def models(self) -> ModelList:
+        return ModelList(data=[ModelCard(id=self.model_name)])
+
+    @api.get("/v1/stats")
+    async def stats(self) -> dict[str, Any]:
+        """Batching figures of one embedder replica (the one this call reaches)."""
+        return await call_backend("embedder", self.embedder.stats.remote())
+
+    @api.get("/healthz")
+    async def healthz(self) -> dict[str, str]:
+        return {"status": "ok"}
+
+
+def build_embed_app(args: dict[str, Any] | None = None) -> Application:
+    """The embed pipeline: ingress -> embedder."""
+    parsed = EmbedArgs.model_validate(args or {})
+    embedder = build_embedding_deployment(parsed.embedder)
+    ingress = serve.deployment(EmbedIngress).options(
+        **parsed.ingress.serve_options("embed_ingress")
+    )
+    return ingress.bind(embedder, parsed.model_dump())
+
+
+app = build_embed_app

@@ -1,0 +1,120 @@
+"""``/rank``: rerank documents for a query over the batched ranker deployment."""
+
+
+from typing import Any
+
+from fastapi.responses import JSONResponse
+from pydantic import Field
+from ray import serve
+from ray.serve.deployment import Application
+from ray.serve.handle import DeploymentHandle
+
+from carpool.config import IngressConfig, StrictModel
+from carpool.errors import RequestError
+from carpool.http import MAX_BODY_BYTES, call_backend, make_api
+from carpool.schemas import (
+    ModelCard,
+    ModelList,
+    RerankDocument,
+    RerankRequest,
+    RerankResponse,
+    RerankResult,
+    RerankUsage,
+)
+from deployments.ranker import RankerConfig, RankResult, build_ranking_deployment, sigmoid
+from pipelines.embed import check_model
+
+
+class RankArgs(StrictModel):
+    """Arguments of the rank pipeline (the ``args:`` of its serve config entry)."""
+
+    ranker: RankerConfig = Field(default_factory=RankerConfig)
+    ingress: IngressConfig = Field(default_factory=IngressConfig)
+    max_documents_per_request: int = Field(
+        default=256, ge=1, le=4096, description="Most documents one request may carry."
+    )
+    max_chars_per_document: int = Field(
+        default=32_000, ge=1, le=1_000_000, description="Longest document accepted, in characters."
+    )
+
+
+api = make_api(
+    "carpool rank", "Rerank documents with length-aware dynamic batching.", MAX_BODY_BYTES
+)
+
+
+@serve.ingress(api)
+class RankIngress:
+    """HTTP front of the rank pipeline: validates, forwards, sorts, formats."""
+
+    def __init__(self, ranker: DeploymentHandle, args: dict[str, Any]) -> None:
+        self.args = RankArgs.model_validate(args)
+        self.ranker = ranker
+        self.model_name = self.args.ranker.source.served_model_name or "ranker"
+
+    @api.post("/v1/rerank", response_model=RerankResponse)
+    async def rerank(self, body: RerankRequest) -> JSONResponse:
+        check_model(body.model, self.model_name)
+        docs = body.documents
+        if len(docs) > self.args.max_documents_per_request:
+            raise RequestError(
+                400,
+                f"documents has {len(docs)} items; send at most "
+                f"{self.args.max_documents_per_request} per request",
+                param="documents",
+            )
+        for i, text in enumerate([body.query, *docs]):
+            if len(text) > self.args.max_chars_per_document:
+                where = "query" if i == 0 else f"documents[{i - 1}]"
+                raise RequestError(
+                    413,
+                    f"{where} has {len(text)} characters; send at most "
+                    f"{self.args.max_chars_per_document}",
+                    param=where,
+                )
+        result: RankResult = await call_backend(
+            "ranker", self.ranker.rank.remote(body.query, docs, body.truncate)
+        )
+        order = sorted(range(len(docs)), key=lambda i: -result.scores[i])
+        if body.top_n is not None:
+            order = order[: body.top_n]
+        response = RerankResponse(
+            model=result.model,
+            results=[
+                RerankResult(
+                    index=i,
+                    relevance_score=result.scores[i]
+                    if body.raw_scores
+                    else sigmoid(result.scores[i]),
+                    document=RerankDocument(text=docs[i]) if body.return_documents else None,
+                    truncated=result.truncated[i],
+                )
+                for i in order
+            ],
+            usage=RerankUsage(total_tokens=result.total_tokens),
+        )
+        return JSONResponse(response.model_dump(exclude_none=True))
+
+    @api.get("/v1/models", response_model=ModelList)
+    async def models(self) -> ModelList:
+        return ModelList(data=[ModelCard(id=self.model_name)])
+
+    @api.get("/v1/stats")
+    async def stats(self) -> dict[str, Any]:
+        """Batching figures of one ranker replica (the one this call reaches)."""
+        return await call_backend("ranker", self.ranker.stats.remote())
+
+    @api.get("/healthz")
+    async def healthz(self) -> dict[str, str]:
+        return {"status": "ok"}
+
+
+def build_rank_app(args: dict[str, Any] | None = None) -> Application:
+    """The rank pipeline: ingress -> ranker."""
+    parsed = RankArgs.model_validate(args or {})
+    ranker = build_ranking_deployment(parsed.ranker)
+    ingress = serve.deployment(RankIngress).options(**parsed.ingress.serve_options("rank_ingress"))
+    return ingress.bind(ranker, parsed.model_dump())
+
+
+app = build_rank_app

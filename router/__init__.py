@@ -1,0 +1,1 @@
+"""Routing policies (length prediction, lanes, model choice): pure objects, no Ray."""
