@@ -55,6 +55,10 @@ format: install
 	$(VENV)/bin/ruff check --fix .
 	$(VENV)/bin/ruff format .
 
+# The standard benchmark suite (never part of `make test`); see benchmarks/README.md.
+bench: models
+	$(PY) -m benchmarks suite
+
 stop:
 	-$(VENV)/bin/ray stop
 
