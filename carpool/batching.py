@@ -292,12 +292,22 @@ class LengthAwareExecutor(Generic[P, R]):
         assert self._wakeup is not None
         self._wakeup.set()
         outcomes: list[list[R] | BaseException] = []
-        for job in jobs:
-            assert job.future is not None
-            try:
-                outcomes.append(await asyncio.shield(job.future))
-            except Exception as exc:  # returned, not raised: the other jobs still get results
-                outcomes.append(exc)
+        try:
+            for job in jobs:
+                assert job.future is not None
+                try:
+                    # Not shielded: a caller that is cancelled (client gone) cancels its job's
+                    # future, and the worker then skips that job's items before computing them.
+                    outcomes.append(await job.future)
+                except asyncio.CancelledError:
+                    raise
+                except Exception as exc:  # returned, not raised: other jobs still get results
+                    outcomes.append(exc)
+        except asyncio.CancelledError:
+            for job in jobs:
+                if job.future is not None:
+                    job.future.cancel()
+            raise
         return outcomes
 
     async def run_one(self, job: Job[P, R]) -> list[R]:

@@ -13,6 +13,7 @@ from typing import Any, TypeVar
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from carpool.errors import RequestError, find_request_error
 
@@ -127,6 +128,18 @@ def make_api(title: str, description: str, max_body_bytes: int) -> FastAPI:
         if len(errors) > 5:
             message += f"; and {len(errors) - 5} more problems"
         return error_response(400, message, param=parts[0][1] if parts else None)
+
+    @api.exception_handler(StarletteHTTPException)
+    async def _http_error(_: Request, exc: StarletteHTTPException) -> JSONResponse:
+        message = str(exc.detail)
+        if exc.status_code == 400 and "parsing the body" in message:
+            # FastAPI's words for a body that is not UTF-8 (or not decodable at all).
+            message = "request body could not be decoded; send UTF-8 encoded JSON"
+        elif exc.status_code == 404:
+            message = "no such route; see /docs for this pipeline's endpoints"
+        elif exc.status_code == 405:
+            message = "method not allowed on this route; see /docs for the right method"
+        return error_response(exc.status_code, message)
 
     @api.exception_handler(RequestError)
     async def _request_error(_: Request, exc: RequestError) -> JSONResponse:

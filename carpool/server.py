@@ -7,6 +7,7 @@ batching knobs before touching anything, so a bad ``user_config`` changes nothin
 
 from __future__ import annotations
 
+import os
 from collections.abc import Callable
 from typing import Any, Generic, TypeVar
 
@@ -51,8 +52,13 @@ class BatchedModelServer(Generic[P, R]):
         self.executor.max_step_items = self._step_items(b)
 
     def stats(self) -> dict[str, float]:
-        """Cumulative batching figures of this replica."""
-        return self.executor.stats.snapshot()
+        """Cumulative batching figures of this replica, with its pid and current knobs."""
+        return {
+            **self.executor.stats.snapshot(),
+            "pid": os.getpid(),
+            "max_batch_size": self.batching.max_batch_size,
+            "max_batch_tokens": self.batching.max_batch_tokens,
+        }
 
     def make_job(self, payloads: list[P], lengths: list[int]) -> Job[P, R]:
         return Job(payloads, lengths, self.limits)

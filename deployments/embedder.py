@@ -200,5 +200,7 @@ def build_embedding_deployment(config: EmbedderConfig, name: str = "embedder") -
     return (
         serve.deployment(EmbeddingDeployment)
         .options(**options, user_config=config.batching.model_dump())
-        .bind(config.model_dump())
+        # Batching goes only through user_config: were it in the constructor arguments too,
+        # changing a knob would restart the replica instead of reconfiguring it in place.
+        .bind(config.model_dump(exclude={"batching"}))
     )

@@ -321,5 +321,7 @@ def build_ranking_deployment(config: RankerConfig, name: str = "ranker") -> Appl
     return (
         serve.deployment(RankingDeployment)
         .options(**options, user_config=config.batching.model_dump())
-        .bind(config.model_dump())
+        # Batching goes only through user_config: were it in the constructor arguments too,
+        # changing a knob would restart the replica instead of reconfiguring it in place.
+        .bind(config.model_dump(exclude={"batching"}))
     )

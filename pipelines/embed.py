@@ -143,7 +143,9 @@ def build_embed_app(args: dict[str, Any] | None = None) -> Application:
     ingress = serve.deployment(EmbedIngress).options(
         **parsed.ingress.serve_options("embed_ingress")
     )
-    return ingress.bind(embedder, parsed.model_dump())
+    # Without the batching knobs: they reach the model replica as user_config, and the ingress
+    # must not restart when only they change.
+    return ingress.bind(embedder, parsed.model_dump(exclude={"embedder": {"batching"}}))
 
 
 app = build_embed_app

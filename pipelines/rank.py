@@ -114,7 +114,8 @@ def build_rank_app(args: dict[str, Any] | None = None) -> Application:
     parsed = RankArgs.model_validate(args or {})
     ranker = build_ranking_deployment(parsed.ranker)
     ingress = serve.deployment(RankIngress).options(**parsed.ingress.serve_options("rank_ingress"))
-    return ingress.bind(ranker, parsed.model_dump())
+    # Without the batching knobs, so changing them reconfigures the ranker in place.
+    return ingress.bind(ranker, parsed.model_dump(exclude={"ranker": {"batching"}}))
 
 
 app = build_rank_app

@@ -67,3 +67,33 @@ def tiny_models(tmp_path_factory: pytest.TempPathFactory) -> dict[str, str]:
     from tests.factories import build_tiny_models
 
     return build_tiny_models(tmp_path_factory.mktemp("tiny-models"))
+
+
+def deploy_declaratively(applications: list[dict], timeout_s: float = 600) -> None:
+    """Deploys apps the way `serve deploy`/`serve run config.yaml` do, and waits for RUNNING.
+
+    The declarative path is the one that applies a changed ``user_config`` in place (the
+    imperative ``serve.run(app)`` always restarts replicas).
+    """
+    import time
+
+    from ray import serve
+    from ray.serve.schema import ServeDeploySchema
+
+    client = serve.context._get_global_client()
+    # Apps deployed imperatively (serve.run) would be torn down by a config deploy, which
+    # replaces the whole declarative set; so tests keep all declarative apps in one call site.
+    client.deploy_apps(ServeDeploySchema.model_validate({"applications": applications}))
+    names = {a["name"] for a in applications}
+    deadline = time.monotonic() + timeout_s
+    while True:
+        status = serve.status().applications
+        states = {n: status[n].status for n in names if n in status}
+        if len(states) == len(names) and all(s == "RUNNING" for s in states.values()):
+            return
+        failed = {n: status[n].message for n, s in states.items() if s == "DEPLOY_FAILED"}
+        if failed:
+            raise RuntimeError(f"deploy failed: {failed}")
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"apps not running after {timeout_s}s: {states}")
+        time.sleep(0.5)
