@@ -4,7 +4,6 @@
 the other pipelines.
 """
 
-
 import base64
 from typing import Any
 

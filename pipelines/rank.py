@@ -1,6 +1,5 @@
 """``/rank``: rerank documents for a query over the batched ranker deployment."""
 
-
 from typing import Any
 
 from fastapi.responses import JSONResponse

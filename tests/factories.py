@@ -11,10 +11,34 @@ from pathlib import Path
 
 from carpool.models import resolve_model_source
 
-WORDS = (
-    "the a carpool batch token padding model serve ray query document answer city river "
-    "mountain capital france paris music guitar market stock weather rain sun cloud"
-).split()
+WORDS = [
+    "the",
+    "a",
+    "carpool",
+    "batch",
+    "token",
+    "padding",
+    "model",
+    "serve",
+    "ray",
+    "query",
+    "document",
+    "answer",
+    "city",
+    "river",
+    "mountain",
+    "capital",
+    "france",
+    "paris",
+    "music",
+    "guitar",
+    "market",
+    "stock",
+    "weather",
+    "rain",
+    "sun",
+    "cloud",
+]
 
 
 def random_text(rng: random.Random, min_words: int = 1, max_words: int = 60) -> str:

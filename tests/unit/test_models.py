@@ -106,9 +106,7 @@ def test_rank_scores_do_not_depend_on_batch_company(models: dict[str, str], back
     ]
 
     async def main() -> tuple[list, list]:
-        alone = [
-            [(await server.rank(q, [d])).scores[0] for d in docs] for q, docs in requests
-        ]
+        alone = [[(await server.rank(q, [d])).scores[0] for d in docs] for q, docs in requests]
         together = await asyncio.gather(*(server.rank(q, docs) for q, docs in requests))
         return alone, [r.scores for r in together]
 
