@@ -41,7 +41,7 @@ class BatchingConfig(StrictModel):
         "(items x longest item) per forward pass.",
     )
     batch_wait_timeout_s: float = Field(
-        default=0.01,
+        default=0.02,
         ge=0.0,
         le=5.0,
         description="How long the first request of a batch waits for company.",
@@ -51,8 +51,12 @@ class BatchingConfig(StrictModel):
         description=f"How a collected batch is cut into forward passes: one of {SPLITTERS}. "
         "'pad_to_longest' is what a plain @serve.batch does.",
     )
+    # 128: measured on 1 CPU thread, a MiniLM pass costs ~7 ms fixed + ~0.19 ms/token (~40
+    # tokens of overhead), but fuller passes also save per-pass work outside the forward and
+    # GPU passes have far larger fixed costs. At 128 the mixed-length e2e burst averages >8
+    # items per pass with ~15% padding; at 64 it averaged 7 with ~11%.
     pass_overhead_tokens: int = Field(
-        default=64,
+        default=128,
         ge=0,
         le=100_000,
         description="Fixed cost of one forward pass, in tokens' worth of compute; higher "

@@ -63,6 +63,8 @@ def _describe_validation_error(err: dict[str, Any]) -> tuple[str, str | None]:
     if kind == "model_attributes_type" or (kind == "dict_type" and where == "body"):
         return "request body must be a JSON object", None
     msg = msg.removeprefix("Value error, ")
+    if msg.startswith(where.split(".")[0]):  # our validators already name the field
+        return msg, where
     return f"{where}: {msg}", where
 
 
