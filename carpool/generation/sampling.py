@@ -1,0 +1,91 @@
+"""Per-request sampling: the parameters a request carries and the sampler that applies them.
+
+Every sequence samples on its own: greedy rows take the argmax of their own logits, sampled
+rows draw from their own ``torch.Generator`` seeded from the request. So a sequence's tokens
+do not depend on what it was batched with (up to floating-point noise in the logits), and a
+request with a ``seed`` repeats itself.
+"""
+
+from __future__ import annotations
+
+import random
+from dataclasses import dataclass, field
+from typing import Any
+
+# Temperatures below this are treated as greedy: dividing logits by ~0 overflows, and the
+# distribution is a point mass on the argmax anyway.
+GREEDY_TEMPERATURE = 1e-5
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """What one sequence asks of the sampler and the stop logic."""
+
+    max_tokens: int = 16
+    temperature: float = 1.0
+    top_p: float = 1.0
+    stop: tuple[str, ...] = ()
+    seed: int | None = None
+    # Keep generating past end-of-sequence tokens (benchmarks need exact output lengths).
+    ignore_eos: bool = False
+
+    def __post_init__(self) -> None:
+        if self.max_tokens < 1:
+            raise ValueError(f"max_tokens must be at least 1, got {self.max_tokens}")
+        if self.temperature < 0:
+            raise ValueError(f"temperature must be >= 0, got {self.temperature}")
+        if not 0 < self.top_p <= 1:
+            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
+        if any(not s for s in self.stop):
+            raise ValueError("stop sequences must be non-empty strings")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature < GREEDY_TEMPERATURE
+
+
+@dataclass
+class SamplerState:
+    """Per-sequence sampler state: the random generator, created on first use."""
+
+    params: SamplingParams
+    generator: Any = field(default=None, repr=False)
+
+    def torch_generator(self, device: Any) -> Any:
+        if self.generator is None:
+            import torch
+
+            self.generator = torch.Generator(device=device)
+            seed = self.params.seed
+            self.generator.manual_seed(seed if seed is not None else random.getrandbits(63))
+        return self.generator
+
+
+def sample_rows(logits: Any, states: list[SamplerState]) -> list[int]:
+    """Picks one token per row of ``logits`` ([rows, vocab], float32) by each row's params."""
+    import torch
+
+    chosen = torch.argmax(logits, dim=-1).tolist()
+    for row, state in enumerate(states):
+        if state.params.greedy:
+            continue
+        chosen[row] = sample_one(logits[row], state)
+    return chosen
+
+
+def sample_one(logits: Any, state: SamplerState) -> int:
+    """Temperature, then nucleus (top-p) filtering, then a draw from the sequence's generator."""
+    import torch
+
+    params = state.params
+    scaled = logits.float() / params.temperature
+    if params.top_p < 1.0:
+        sorted_logits, order = torch.sort(scaled, descending=True)
+        probs = torch.softmax(sorted_logits, dim=-1)
+        # Keep the smallest prefix whose mass reaches top_p (always at least the best token).
+        cut = torch.cumsum(probs, dim=-1) - probs >= params.top_p
+        sorted_logits = sorted_logits.masked_fill(cut, float("-inf"))
+        scaled = torch.full_like(scaled, float("-inf")).scatter(0, order, sorted_logits)
+    probs = torch.softmax(scaled, dim=-1)
+    token = torch.multinomial(probs, 1, generator=state.torch_generator(logits.device))
+    return int(token.item())

@@ -1,0 +1,496 @@
+"""Generator: prompts or chats in, generated text out, as a whole or streamed token by token.
+
+One deployment class, deployed once per model size (``small``, ``large``) from config.
+``GeneratorServer`` is plain Python: it owns the tokenizer (and chat template), validates
+limits, turns a ``GenerationCall`` into ``GenSequence``s and hands them to a
+``GenerationEngine`` (``continuous`` by default, ``static`` for comparison), then relays the
+engine's events as a result or a stream. ``GeneratorDeployment`` only adds ``@serve.batch``
+collection of arrivals (so requests arriving together are prefilled together) and Ray
+metrics; ``build_generator_deployment`` applies the Serve options from config.
+
+A client that goes away (Serve cancels the call) or a request past ``request_timeout_s``
+has its sequences cancelled; the engine frees their slots at its next step.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import AsyncIterator
+from typing import Any, Literal
+
+from pydantic import Field, model_validator
+from ray import serve
+from ray.serve.deployment import Application
+
+from carpool.config import ModelSourceConfig, ReplicaConfig, StrictModel
+from carpool.errors import RequestError
+from carpool.generation.engine import (
+    ENGINE_MODES,
+    GenerationEngine,
+    GenSequence,
+    SeqEvent,
+    TokenizerInfo,
+    make_engine,
+)
+from carpool.generation.runner import kv_geometry
+from carpool.generation.sampling import SamplingParams
+from carpool.generation.scheduler import SchedulerLimits
+from carpool.generation.schemas import MAX_N, MAX_SEQS_PER_CALL, GenerationCall
+from carpool.models import pick_device, pick_dtype, resolve_model_source, size_torch_threads
+
+logger = logging.getLogger(__name__)
+
+DEFAULT_SMALL = "packaged:SmolLM2-135M-Instruct"
+DEFAULT_LARGE = "packaged:Qwen2.5-Coder-0.5B-Instruct"
+# Longest sequence by default when the model allows more: bounds KV memory and prefill time
+# on CPU; raise limits.max_seq_len for long-context work.
+DEFAULT_MAX_SEQ_LEN = 2048
+# Extra time the async side waits past a request's deadline for the engine to report it.
+DEADLINE_GRACE_S = 5.0
+
+
+class GeneratorBatching(StrictModel):
+    """Runtime scheduling knobs (``user_config``; ``serve deploy`` applies them in place)."""
+
+    max_num_seqs: int = Field(
+        default=16,
+        ge=1,
+        le=1024,
+        description="Sequences running at once (each holds a KV slot); arrivals beyond "
+        "this wait for a slot.",
+    )
+    max_batch_tokens: int = Field(
+        default=512,
+        ge=1,
+        le=131_072,
+        description="Tokens computed per engine step: one per decoding sequence plus the "
+        "padded prefill chunk tokens. Long prompts are prefilled in chunks within it.",
+    )
+    batch_wait_timeout_s: float = Field(
+        default=0.005,
+        ge=0.0,
+        le=1.0,
+        description="How long @serve.batch holds the first arrival for company, so requests "
+        "arriving together are prefilled in one pass.",
+    )
+    request_timeout_s: float = Field(
+        default=300.0,
+        gt=0,
+        le=3600,
+        description="A sequence still running this long after arrival is stopped and its "
+        "slot freed; the client gets 504.",
+    )
+    max_waiting: int = Field(
+        default=256,
+        ge=0,
+        le=100_000,
+        description="Requests queued for a slot before new ones are refused with 503.",
+    )
+
+    @model_validator(mode="after")
+    def _tokens_cover_seqs(self) -> GeneratorBatching:
+        if self.max_batch_tokens < self.max_num_seqs:
+            raise ValueError(
+                f"max_batch_tokens ({self.max_batch_tokens}) must be at least max_num_seqs "
+                f"({self.max_num_seqs}): each running sequence decodes one token per step"
+            )
+        return self
+
+
+class GenerationLimits(StrictModel):
+    """Per-request limits and KV sizing, fixed for the replica's life."""
+
+    max_seq_len: int | None = Field(
+        default=None,
+        ge=16,
+        le=131_072,
+        description="Prompt + output tokens of one sequence; sizes each KV slot. Default: "
+        f"source.max_length, else the model's limit capped at {DEFAULT_MAX_SEQ_LEN}.",
+    )
+    max_tokens_limit: int = Field(
+        default=1024, ge=1, le=131_072, description="Largest max_tokens a request may ask."
+    )
+    default_max_tokens: int = Field(
+        default=256,
+        ge=1,
+        le=131_072,
+        description="max_tokens when a request omits it (cut to what the context leaves).",
+    )
+    kv_block_size: int = Field(
+        default=64,
+        ge=8,
+        le=4096,
+        description="KV cache growth step and accounting unit, in tokens per slot.",
+    )
+    max_kv_cache_mb: int = Field(
+        default=2048,
+        ge=1,
+        le=1_048_576,
+        description="Ceiling on KV memory, max_num_seqs x (max_seq_len + 1) x bytes per "
+        "token; a config above it fails at start-up (or reconfigure) with the numbers.",
+    )
+
+
+class GeneratorConfig(StrictModel):
+    """Everything a generator replica needs; ``batching`` is its ``user_config``."""
+
+    source: ModelSourceConfig = Field(
+        default_factory=lambda: ModelSourceConfig(model=DEFAULT_SMALL),
+        description="Weights and device: any causal LM by packaged name, path or HF id.",
+    )
+    mode: Literal["continuous", "static"] = Field(
+        default="continuous",
+        description=f"Batching engine, one of {ENGINE_MODES}: 'continuous' (iteration-level) "
+        "or 'static' (one padded generate per batch, for comparison).",
+    )
+    replica: ReplicaConfig = Field(default_factory=lambda: ReplicaConfig(num_cpus=0.5))
+    limits: GenerationLimits = Field(default_factory=GenerationLimits)
+    batching: GeneratorBatching = Field(default_factory=GeneratorBatching)
+
+    def serve_options(self, name: str) -> dict[str, Any]:
+        ongoing = self.replica.max_ongoing_requests or max(
+            64, self.batching.max_num_seqs + self.batching.max_waiting
+        )
+        return {
+            "name": name,
+            "num_replicas": self.replica.num_replicas,
+            "max_ongoing_requests": ongoing,
+            "ray_actor_options": {
+                "num_cpus": self.replica.num_cpus,
+                "num_gpus": self.replica.num_gpus,
+            },
+        }
+
+
+def check_kv_budget(
+    max_num_seqs: int, max_seq_len: int, bytes_per_token: int, max_kv_cache_mb: int
+) -> int:
+    """Returns the KV bytes the settings may use, or raises with what to lower."""
+    need = max_num_seqs * (max_seq_len + 1) * bytes_per_token
+    if need > max_kv_cache_mb * 2**20:
+        raise ValueError(
+            f"KV cache would need up to {need / 2**20:.0f} MiB (max_num_seqs {max_num_seqs} x "
+            f"max_seq_len {max_seq_len} x {bytes_per_token} bytes/token), above "
+            f"max_kv_cache_mb {max_kv_cache_mb}; lower max_num_seqs or limits.max_seq_len, "
+            "or raise limits.max_kv_cache_mb"
+        )
+    return need
+
+
+class GeneratorServer:
+    """Plain-Python generator server; tests use it without Ray."""
+
+    def __init__(
+        self, config: GeneratorConfig | dict | None = None, model: Any = None, tokenizer: Any = None
+    ) -> None:
+        self.config = (
+            config
+            if isinstance(config, GeneratorConfig)
+            else GeneratorConfig.model_validate(config or {})
+        )
+        cfg = self.config
+        if model is None or tokenizer is None:
+            from transformers import AutoModelForCausalLM, AutoTokenizer
+
+            size_torch_threads(cfg.replica.num_cpus, cfg.replica.torch_threads)
+            device = pick_device(cfg.source.device)
+            path = resolve_model_source(cfg.source.model)
+            tokenizer = AutoTokenizer.from_pretrained(path)
+            model = AutoModelForCausalLM.from_pretrained(
+                path, dtype=pick_dtype(cfg.source.dtype, device)
+            ).to(device)
+        self.model = model.eval()
+        self.tokenizer = tokenizer
+        self.name = cfg.source.served_model_name or "generator"
+        self.max_seq_len = self._max_seq_len()
+        layers, kv_heads, head_dim = kv_geometry(self.model.config)
+        itemsize = next(self.model.parameters()).element_size()
+        self.bytes_per_token = 2 * layers * kv_heads * head_dim * itemsize
+        self.batching = cfg.batching
+        check_kv_budget(
+            cfg.batching.max_num_seqs,
+            self.max_seq_len,
+            self.bytes_per_token,
+            cfg.limits.max_kv_cache_mb,
+        )
+        self.engine: GenerationEngine = make_engine(
+            cfg.mode,
+            self.model,
+            TokenizerInfo.from_tokenizer(tokenizer, getattr(model, "generation_config", None)),
+            SchedulerLimits(cfg.batching.max_num_seqs, cfg.batching.max_batch_tokens),
+            self.max_seq_len,
+            cfg.limits.kv_block_size,
+        )
+
+    def _max_seq_len(self) -> int:
+        cfg = self.config
+        if cfg.limits.max_seq_len is not None:
+            return cfg.limits.max_seq_len
+        if cfg.source.max_length is not None:
+            return cfg.source.max_length
+        text = self.model.config.get_text_config()
+        model_limit = getattr(text, "max_position_embeddings", None) or DEFAULT_MAX_SEQ_LEN
+        return min(model_limit, DEFAULT_MAX_SEQ_LEN)
+
+    # --- control --------------------------------------------------------------------------
+
+    def reconfigure(self, user_config: dict[str, Any]) -> None:
+        """Applies new scheduling knobs; a bad user_config changes nothing."""
+        b = GeneratorBatching.model_validate(user_config)
+        check_kv_budget(
+            b.max_num_seqs,
+            self.max_seq_len,
+            self.bytes_per_token,
+            self.config.limits.max_kv_cache_mb,
+        )
+        self.engine.set_limits(b.max_num_seqs, b.max_batch_tokens)
+        self.batching = b
+
+    def describe(self) -> dict[str, Any]:
+        return {
+            "model": self.name,
+            "source": self.config.source.model,
+            "mode": self.config.mode,
+            "max_seq_len": self.max_seq_len,
+            "max_tokens_limit": self.config.limits.max_tokens_limit,
+            "chat_template": bool(getattr(self.tokenizer, "chat_template", None)),
+        }
+
+    def stats(self) -> dict[str, Any]:
+        return self.engine.stats()
+
+    def close(self) -> None:
+        self.engine.close()
+
+    # --- requests -------------------------------------------------------------------------
+
+    def _encode(self, call: GenerationCall) -> list[list[int]]:
+        if call.messages is not None:
+            if not getattr(self.tokenizer, "chat_template", None):
+                raise RequestError(
+                    400,
+                    f"model {self.name!r} has no chat template; use /v1/completions with a "
+                    "plain prompt instead",
+                    param="messages",
+                )
+            try:
+                text = self.tokenizer.apply_chat_template(
+                    call.messages, tokenize=False, add_generation_prompt=True
+                )
+            except Exception as exc:  # template rejects the conversation (roles, order...)
+                raise RequestError(
+                    400,
+                    f"the chat template of {self.name!r} rejected these messages: {exc}",
+                    param="messages",
+                ) from None
+            return [self.tokenizer(text, add_special_tokens=False)["input_ids"]]
+        if not call.prompts:
+            raise RequestError(400, "send a prompt or messages", param="prompt")
+        return [self.tokenizer(p, add_special_tokens=True)["input_ids"] for p in call.prompts]
+
+    def _plan(self, call: GenerationCall) -> tuple[list[list[int]], int]:
+        """Tokenises and checks lengths; returns the prompts' ids and the max_tokens to use."""
+        limits = self.config.limits
+        if call.n > MAX_N:
+            raise RequestError(400, f"n is {call.n}; send at most {MAX_N}", param="n")
+        prompts = self._encode(call)
+        if len(prompts) * call.n > MAX_SEQS_PER_CALL:
+            raise RequestError(
+                400,
+                f"{len(prompts)} prompts x n={call.n} make {len(prompts) * call.n} sequences; "
+                f"send at most {MAX_SEQS_PER_CALL} per request",
+                param="n",
+            )
+        longest = max(len(p) for p in prompts)
+        where = "messages" if call.messages is not None else "prompt"
+        if longest == 0:
+            raise RequestError(400, f"{where} encodes to no tokens; send some text", param=where)
+        room = self.max_seq_len - longest
+        if room < 1:
+            raise RequestError(
+                400,
+                f"{where} has {longest} tokens; model {self.name!r} takes at most "
+                f"{self.max_seq_len - 1} prompt tokens. Shorten it",
+                param=where,
+                code="context_length_exceeded",
+            )
+        if call.max_tokens is None:
+            return prompts, min(limits.default_max_tokens, limits.max_tokens_limit, room)
+        if call.max_tokens > limits.max_tokens_limit:
+            raise RequestError(
+                400,
+                f"max_tokens is {call.max_tokens}; model {self.name!r} generates at most "
+                f"{limits.max_tokens_limit} tokens per request. Lower max_tokens",
+                param="max_tokens",
+            )
+        if call.max_tokens > room:
+            raise RequestError(
+                400,
+                f"{where} has {longest} tokens and max_tokens is {call.max_tokens}: together "
+                f"they exceed model {self.name!r}'s {self.max_seq_len}-token context. Lower "
+                f"max_tokens to at most {room} or shorten the {where}",
+                param="max_tokens",
+                code="context_length_exceeded",
+            )
+        return prompts, call.max_tokens
+
+    def _sequences(self, call: GenerationCall, sink: Any) -> tuple[list[GenSequence], int]:
+        prompts, max_tokens = self._plan(call)
+        waiting = self.engine.stats().get("waiting", 0)
+        if waiting >= self.batching.max_waiting:
+            raise RequestError(
+                503,
+                f"model {self.name!r} has {waiting} requests waiting for a slot; retry later",
+                code="overloaded",
+            )
+        deadline = time.monotonic() + self.batching.request_timeout_s
+        seqs = []
+        for p, ids in enumerate(prompts):
+            for j in range(call.n):
+                index = p * call.n + j
+                params = SamplingParams(
+                    max_tokens=max_tokens,
+                    temperature=call.temperature,
+                    top_p=call.top_p,
+                    stop=tuple(call.stop),
+                    seed=None if call.seed is None else call.seed + index,
+                    ignore_eos=call.ignore_eos,
+                )
+                seqs.append(GenSequence(ids, params, sink, index=index, deadline=deadline))
+        return seqs, sum(len(p) for p in prompts)
+
+    async def _submit(self, seqs: list[GenSequence]) -> None:
+        """Without Serve, sequences go straight to the engine."""
+        self.engine.submit(seqs)
+
+    async def _events(self, call: GenerationCall) -> AsyncIterator[tuple[str, Any]]:
+        """Yields ('start', prompt_tokens) then ('event', SeqEvent)s until every choice ends."""
+        loop = asyncio.get_running_loop()
+        queue: asyncio.Queue[SeqEvent] = asyncio.Queue()
+
+        def sink(event: SeqEvent) -> None:  # engine thread
+            loop.call_soon_threadsafe(queue.put_nowait, event)
+
+        seqs, prompt_tokens = self._sequences(call, sink)
+        pending = len(seqs)
+        deadline = time.monotonic() + self.batching.request_timeout_s + DEADLINE_GRACE_S
+        try:
+            await self._submit(seqs)
+            yield "start", prompt_tokens
+            while pending:
+                try:
+                    event = await asyncio.wait_for(queue.get(), deadline - time.monotonic())
+                except asyncio.TimeoutError:
+                    raise self._timeout() from None
+                if event.finish_reason is not None:
+                    pending -= 1
+                    if event.finish_reason == "timeout":
+                        raise self._timeout()
+                    if event.finish_reason == "error":
+                        raise RequestError(
+                            503,
+                            f"generation failed on model {self.name!r} ({event.error}); retry",
+                            code="backend_unavailable",
+                        )
+                yield "event", event
+        finally:
+            for seq in seqs:
+                if not seq.finished:
+                    self.engine.cancel(seq)
+
+    def _timeout(self) -> RequestError:
+        return RequestError(
+            504,
+            f"generation did not finish within {self.batching.request_timeout_s:g} s on model "
+            f"{self.name!r}; lower max_tokens or retry",
+            code="timeout",
+        )
+
+    async def generate(self, call: GenerationCall | dict) -> dict[str, Any]:
+        """Runs a call to the end: choices (text, finish_reason) and token counts."""
+        call = call if isinstance(call, GenerationCall) else GenerationCall.model_validate(call)
+        texts: dict[int, list[str]] = {}
+        reasons: dict[int, str] = {}
+        completion = prompt_tokens = 0
+        async for kind, value in self._events(call):
+            if kind == "start":
+                prompt_tokens = value
+                continue
+            texts.setdefault(value.index, []).append(value.text)
+            if value.finish_reason is not None:
+                reasons[value.index] = value.finish_reason
+                completion += value.completion_tokens
+        return {
+            "model": self.name,
+            "choices": [
+                {"index": i, "text": "".join(texts.get(i, [])), "finish_reason": reasons[i]}
+                for i in sorted(reasons)
+            ],
+            "prompt_tokens": prompt_tokens,
+            "completion_tokens": completion,
+        }
+
+    async def stream(self, call: GenerationCall | dict) -> AsyncIterator[dict[str, Any]]:
+        """Streams a call: a 'start' event, 'delta' events as text arrives, then 'end'."""
+        call = call if isinstance(call, GenerationCall) else GenerationCall.model_validate(call)
+        completion = prompt_tokens = 0
+        async for kind, value in self._events(call):
+            if kind == "start":
+                prompt_tokens = value
+                yield {"type": "start", "model": self.name, "prompt_tokens": value}
+                continue
+            if value.finish_reason is not None:
+                completion += value.completion_tokens
+            if value.text or value.finish_reason is not None:
+                yield {
+                    "type": "delta",
+                    "index": value.index,
+                    "text": value.text,
+                    "finish_reason": value.finish_reason,
+                }
+        yield {"type": "end", "prompt_tokens": prompt_tokens, "completion_tokens": completion}
+
+
+class GeneratorDeployment(GeneratorServer):
+    """The Serve shell: ``@serve.batch`` collection of arrivals and Ray metrics."""
+
+    def __init__(self, config: dict) -> None:
+        GeneratorServer.__init__(self, config)
+        from carpool.generation.metrics import RayGeneratorMetrics
+
+        self.engine.listeners.append(RayGeneratorMetrics(self.name))
+        self._apply_collection()
+
+    @serve.batch(
+        max_batch_size=16,  # replaced from config by _apply_collection()
+        batch_wait_timeout_s=0.005,
+        max_concurrent_batches=1,
+        batch_size_fn=len,
+    )
+    async def _collect(self, groups: list[list[GenSequence]]) -> list[None]:
+        # Submission returns at once; the engine prefills the whole group at its next step.
+        self.engine.submit([seq for group in groups for seq in group])
+        return [None] * len(groups)
+
+    async def _submit(self, seqs: list[GenSequence]) -> None:
+        await self._collect(seqs)
+
+    def reconfigure(self, user_config: dict[str, Any]) -> None:
+        GeneratorServer.reconfigure(self, user_config)
+        self._apply_collection()
+
+    def _apply_collection(self) -> None:
+        # Weighted by sequences per request; the largest request must always fit.
+        self._collect.set_max_batch_size(max(self.batching.max_num_seqs, MAX_SEQS_PER_CALL))
+        self._collect.set_batch_wait_timeout_s(self.batching.batch_wait_timeout_s)
+
+
+def build_generator_deployment(config: GeneratorConfig, name: str) -> Application:
+    """Applies the Serve options from ``config`` and binds the deployment."""
+    return (
+        serve.deployment(GeneratorDeployment)
+        .options(**config.serve_options(name), user_config=config.batching.model_dump())
+        .bind(config.model_dump())
+    )

@@ -1,0 +1,330 @@
+"""``/generate``: OpenAI-compatible completions and chat over the small and large generators.
+
+``POST /generate/v1/completions`` and ``POST /generate/v1/chat/completions`` (streamed as
+server-sent events with ``stream: true``), ``GET /generate/v1/models``. ``model`` picks the
+deployment: ``small`` or ``large``, or the served name of either; omitted, ``small``.
+
+``serve run pipelines.generate:app`` serves it alone; the default serve config deploys it
+with the other pipelines.
+"""
+
+import json
+import logging
+from collections.abc import AsyncIterator, Callable
+from typing import Any, Literal
+
+from fastapi.responses import JSONResponse, StreamingResponse
+from pydantic import Field
+from ray import serve
+from ray.serve.deployment import Application
+from ray.serve.handle import DeploymentHandle
+
+from carpool.config import IngressConfig, ModelSourceConfig, StrictModel
+from carpool.errors import RequestError, find_request_error
+from carpool.generation.schemas import (
+    ChatChoice,
+    ChatChunkChoice,
+    ChatCompletionChunk,
+    ChatCompletionRequest,
+    ChatCompletionResponse,
+    ChatDelta,
+    ChatMessageOut,
+    CompletionChoice,
+    CompletionRequest,
+    CompletionResponse,
+    GenerationCall,
+    ModelCard,
+    ModelList,
+    UsageInfo,
+    new_id,
+    now,
+)
+from carpool.http import MAX_BODY_BYTES, call_backend, error_response, make_api
+from deployments.generator import (
+    DEFAULT_LARGE,
+    DEFAULT_SMALL,
+    GeneratorConfig,
+    build_generator_deployment,
+)
+
+logger = logging.getLogger(__name__)
+
+TIERS = ("small", "large")
+
+
+class GenerateArgs(StrictModel):
+    """Arguments of the generate pipeline (the ``args:`` of its serve config entry)."""
+
+    small: GeneratorConfig = Field(
+        default_factory=lambda: GeneratorConfig(source=ModelSourceConfig(model=DEFAULT_SMALL)),
+        description="The small generator (default SmolLM2-135M-Instruct).",
+    )
+    large: GeneratorConfig | None = Field(
+        default_factory=lambda: GeneratorConfig(source=ModelSourceConfig(model=DEFAULT_LARGE)),
+        description="The large generator (default Qwen2.5-Coder-0.5B-Instruct); null "
+        "deploys only the small one.",
+    )
+    default_model: Literal["small", "large"] = Field(
+        default="small", description="Model used when a request omits `model`."
+    )
+    ingress: IngressConfig = Field(default_factory=IngressConfig)
+
+
+api = make_api(
+    "carpool generate",
+    "OpenAI-compatible completions and chat completions with continuous batching.",
+    MAX_BODY_BYTES,
+)
+
+
+def sse(payload: Any) -> str:
+    return f"data: {json.dumps(payload, separators=(',', ':'))}\n\n"
+
+
+@serve.ingress(api)
+class GenerateIngress:
+    """HTTP front of the generate pipeline: validates, picks the model, formats, streams."""
+
+    def __init__(
+        self, small: DeploymentHandle, large: DeploymentHandle | None, args: dict[str, Any]
+    ) -> None:
+        self.args = GenerateArgs.model_validate(args)
+        self.handles: dict[str, DeploymentHandle] = {"small": small}
+        configs: dict[str, GeneratorConfig] = {"small": self.args.small}
+        if large is not None and self.args.large is not None:
+            self.handles["large"] = large
+            configs["large"] = self.args.large
+        self.configs = configs
+        # Clients may name a tier or the model behind it.
+        self.aliases = {tier: tier for tier in self.handles}
+        for tier, cfg in configs.items():
+            self.aliases.setdefault(cfg.source.served_model_name or tier, tier)
+        self._described: dict[str, dict[str, Any]] = {}
+
+    def _route(self, requested: str | None) -> tuple[str, DeploymentHandle, str]:
+        name = requested or self.args.default_model
+        tier = self.aliases.get(name)
+        if tier is None:
+            raise RequestError(
+                404,
+                f"model {name!r} is not served here; use one of {sorted(self.aliases)}",
+                param="model",
+                code="model_not_found",
+            )
+        return tier, self.handles[tier], name
+
+    # --- completions ----------------------------------------------------------------------
+
+    @api.post("/v1/completions", response_model=CompletionResponse)
+    async def completions(self, body: CompletionRequest) -> Any:
+        tier, handle, model = self._route(body.model)
+        call = GenerationCall.from_completion(body).model_dump()
+        if body.stream:
+            return await self._stream(
+                tier, handle, call, self._completion_chunks(model, body.include_usage())
+            )
+        result = await call_backend(tier, handle.generate.remote(call))
+        response = CompletionResponse(
+            model=model,
+            choices=[CompletionChoice(**c) for c in result["choices"]],
+            usage=_usage(result),
+        )
+        return JSONResponse(response.model_dump())
+
+    def _completion_chunks(
+        self, model: str, include_usage: bool
+    ) -> Callable[[dict[str, Any]], list[dict[str, Any]]]:
+        chunk_id, created = new_id("cmpl"), now()
+
+        def chunk(choices: list[dict[str, Any]], usage: Any = None) -> dict[str, Any]:
+            return {
+                "id": chunk_id,
+                "object": "text_completion",
+                "created": created,
+                "model": model,
+                "choices": choices,
+                "usage": usage,
+            }
+
+        def fmt(event: dict[str, Any]) -> list[dict[str, Any]]:
+            if event["type"] == "delta":
+                return [
+                    chunk(
+                        [
+                            {
+                                "index": event["index"],
+                                "text": event["text"],
+                                "finish_reason": event["finish_reason"],
+                                "logprobs": None,
+                            }
+                        ]
+                    )
+                ]
+            if event["type"] == "end" and include_usage:
+                return [chunk([], _usage(event).model_dump())]
+            return []
+
+        return fmt
+
+    # --- chat -----------------------------------------------------------------------------
+
+    @api.post("/v1/chat/completions", response_model=ChatCompletionResponse)
+    async def chat_completions(self, body: ChatCompletionRequest) -> Any:
+        tier, handle, model = self._route(body.model)
+        call = GenerationCall.from_chat(body).model_dump()
+        if body.stream:
+            return await self._stream(
+                tier, handle, call, self._chat_chunks(model, body.n, body.include_usage())
+            )
+        result = await call_backend(tier, handle.generate.remote(call))
+        response = ChatCompletionResponse(
+            model=model,
+            choices=[
+                ChatChoice(
+                    index=c["index"],
+                    message=ChatMessageOut(content=c["text"]),
+                    finish_reason=c["finish_reason"],
+                )
+                for c in result["choices"]
+            ],
+            usage=_usage(result),
+        )
+        return JSONResponse(response.model_dump())
+
+    def _chat_chunks(
+        self, model: str, n: int, include_usage: bool
+    ) -> Callable[[dict[str, Any]], list[dict[str, Any]]]:
+        chunk_id, created = new_id("chatcmpl"), now()
+
+        def chunk(choices: list[ChatChunkChoice], usage: UsageInfo | None = None) -> dict:
+            return ChatCompletionChunk(
+                id=chunk_id, created=created, model=model, choices=choices, usage=usage
+            ).model_dump(exclude_none=False)
+
+        def fmt(event: dict[str, Any]) -> list[dict[str, Any]]:
+            if event["type"] == "start":  # OpenAI opens each choice with the role
+                return [
+                    chunk([ChatChunkChoice(index=i, delta=ChatDelta(role="assistant", content=""))])
+                    for i in range(n)
+                ]
+            if event["type"] == "delta":
+                delta = ChatDelta(content=event["text"]) if event["text"] else ChatDelta()
+                return [
+                    chunk(
+                        [
+                            ChatChunkChoice(
+                                index=event["index"],
+                                delta=delta,
+                                finish_reason=event["finish_reason"],
+                            )
+                        ]
+                    )
+                ]
+            if event["type"] == "end" and include_usage:
+                return [chunk([], _usage(event))]
+            return []
+
+        return fmt
+
+    # --- streaming ------------------------------------------------------------------------
+
+    async def _stream(
+        self,
+        tier: str,
+        handle: DeploymentHandle,
+        call: dict[str, Any],
+        fmt: Callable[[dict[str, Any]], list[dict[str, Any]]],
+    ) -> StreamingResponse:
+        events = handle.options(stream=True).stream.remote(call)
+        # The first event comes after the replica validated and queued the request, so bad
+        # input still gets a plain 4xx response rather than an error inside a 200 stream.
+        try:
+            first = await call_backend(tier, events.__anext__())
+        except BaseException:
+            events.cancel()
+            raise
+        return StreamingResponse(
+            self._sse(tier, first, events, fmt),
+            media_type="text/event-stream",
+            headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
+        )
+
+    async def _sse(
+        self,
+        tier: str,
+        first: dict[str, Any],
+        events: Any,
+        fmt: Callable[[dict[str, Any]], list[dict[str, Any]]],
+    ) -> AsyncIterator[str]:
+        finished = False
+        try:
+            for payload in fmt(first):
+                yield sse(payload)
+            async for event in events:
+                for payload in fmt(event):
+                    yield sse(payload)
+            finished = True
+            yield "data: [DONE]\n\n"
+        except Exception as exc:
+            found = find_request_error(exc)
+            if found is None:
+                logger.exception("%s stream failed", tier)
+                found = RequestError(
+                    503,
+                    f"the {tier} stage failed mid-stream ({type(exc).__name__}); retry",
+                    code="backend_unavailable",
+                )
+            body = json.loads(
+                error_response(found.status_code, found.message, found.param, found.code).body
+            )
+            yield sse(body)
+        finally:
+            if not finished:
+                # The client left (or the stream broke): stop the replica's generation so
+                # its slot is freed at the next engine step.
+                events.cancel()
+
+    # --- models and health ----------------------------------------------------------------
+
+    @api.get("/v1/models", response_model=ModelList)
+    async def models(self) -> ModelList:
+        cards = []
+        for tier, handle in self.handles.items():
+            if tier not in self._described:
+                self._described[tier] = await call_backend(tier, handle.describe.remote())
+            info = self._described[tier]
+            cards.append(ModelCard(id=tier, root=info["model"], max_model_len=info["max_seq_len"]))
+        return ModelList(data=cards)
+
+    @api.get("/v1/stats")
+    async def stats(self) -> dict[str, Any]:
+        """Engine figures of one replica per model (the one each call reaches)."""
+        return {
+            tier: await call_backend(tier, handle.stats.remote())
+            for tier, handle in self.handles.items()
+        }
+
+    @api.get("/healthz")
+    async def healthz(self) -> dict[str, str]:
+        return {"status": "ok"}
+
+
+def _usage(counts: dict[str, Any]) -> UsageInfo:
+    prompt, completion = counts["prompt_tokens"], counts["completion_tokens"]
+    return UsageInfo(
+        prompt_tokens=prompt, completion_tokens=completion, total_tokens=prompt + completion
+    )
+
+
+def build_generate_app(args: dict[str, Any] | None = None) -> Application:
+    """The generate pipeline: ingress -> small generator (+ large generator)."""
+    parsed = GenerateArgs.model_validate(args or {})
+    small = build_generator_deployment(parsed.small, "small")
+    large = build_generator_deployment(parsed.large, "large") if parsed.large else None
+    ingress = serve.deployment(GenerateIngress).options(
+        **parsed.ingress.serve_options("generate_ingress")
+    )
+    return ingress.bind(small, large, parsed.model_dump())
+
+
+app = build_generate_app
