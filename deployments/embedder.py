@@ -9,6 +9,7 @@ passes. ``EmbeddingDeployment`` only adds ``@serve.batch`` collection and Ray me
 
 from __future__ import annotations
 
+import asyncio
 import json
 import os
 from dataclasses import dataclass
@@ -165,7 +166,9 @@ class EmbeddingServer(BatchedModelServer[list[int], np.ndarray]):
     async def embed(self, texts: list[str], truncate: bool = True) -> EmbedResult:
         if not texts:
             raise RequestError(400, "no texts to embed; send at least one", param="input")
-        ids = self.model.tokenize(texts)
+        # In a worker thread: a request of many long texts must not stall the replica's event
+        # loop, which keeps collecting other requests meanwhile.
+        ids = await asyncio.to_thread(self.model.tokenize, texts)
         truncated = [False] * len(ids)
         for i, seq in enumerate(ids):
             if len(seq) > self.model.max_length:

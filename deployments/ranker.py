@@ -13,6 +13,7 @@ Each query-document pair is one item; a request's pairs batch with other request
 
 from __future__ import annotations
 
+import asyncio
 import math
 from dataclasses import dataclass
 from typing import Any, Literal, Protocol
@@ -294,7 +295,8 @@ class RankingServer(BatchedModelServer[Pair, float]):
     async def rank(self, query: str, documents: list[str], truncate: bool = True) -> RankResult:
         if not documents:
             raise RequestError(400, "no documents to rank; send at least one", param="documents")
-        encoded = self.scorer.encode(query, documents, truncate)
+        # In a worker thread so tokenizing many documents does not stall the event loop.
+        encoded = await asyncio.to_thread(self.scorer.encode, query, documents, truncate)
         pairs = [pair for pair, _ in encoded]
         lengths = [len(ids) for ids, _ in pairs]
         scores = await self._dispatch(self.make_job(pairs, lengths))
