@@ -295,15 +295,17 @@ class LengthAwareExecutor(Generic[P, R]):
         try:
             for job in jobs:
                 assert job.future is not None
-                try:
-                    # Not shielded: a caller that is cancelled (client gone) cancels its job's
-                    # future, and the worker then skips that job's items before computing them.
-                    outcomes.append(await job.future)
-                except asyncio.CancelledError:
-                    raise
-                except Exception as exc:  # returned, not raised: other jobs still get results
-                    outcomes.append(exc)
+                # asyncio.wait does not raise when the job's own future was cancelled (its
+                # client left): only that job is dropped, the rest of the batch still runs.
+                await asyncio.wait([job.future])
+                if job.future.cancelled():
+                    outcomes.append(asyncio.CancelledError())
+                elif job.future.exception() is not None:
+                    outcomes.append(job.future.exception())  # type: ignore[arg-type]
+                else:
+                    outcomes.append(job.future.result())
         except asyncio.CancelledError:
+            # This caller was cancelled: its jobs' items are skipped before they are computed.
             for job in jobs:
                 if job.future is not None:
                     job.future.cancel()
@@ -312,6 +314,8 @@ class LengthAwareExecutor(Generic[P, R]):
 
     async def run_one(self, job: Job[P, R]) -> list[R]:
         outcome = (await self.run([job]))[0]
+        if isinstance(outcome, asyncio.CancelledError):
+            raise outcome
         if isinstance(outcome, BaseException):
             raise outcome
         return outcome

@@ -7,6 +7,7 @@ to the executor, which merges whatever is waiting when the model frees up.
 
 from __future__ import annotations
 
+import asyncio
 import logging
 from typing import Any
 
@@ -64,7 +65,14 @@ class ServeBatching:
         self._collect.set_batch_wait_timeout_s(self.batching.batch_wait_timeout_s)
 
     async def _dispatch(self: Any, job: Job) -> list[Any]:
-        outcome = await self._collect(job)
+        try:
+            outcome = await self._collect(job)
+        except asyncio.CancelledError:
+            # The client left. Serve drops the request if its batch is not collected yet; if
+            # it is already with the executor, cancelling the job skips its items there.
+            if job.future is not None:
+                job.future.cancel()
+            raise
         if isinstance(outcome, BaseException):
             raise outcome
         return outcome

@@ -177,3 +177,24 @@ def test_oversized_job_is_split_into_budgeted_passes() -> None:
 
     assert asyncio.run(main()) == [80] * 10
     assert all(len(c) * max(c) <= 100 for c in model.calls)
+
+
+def test_cancelling_one_job_of_a_collected_batch_spares_the_others() -> None:
+    model = _RecordingModel(delay=0.1)
+    limits = BatchLimits(64, 4096)
+    executor = LengthAwareExecutor(model, OptimalSplitter(4096, 64, 64))
+
+    async def main() -> list:
+        blocker = asyncio.create_task(executor.run_one(_job([1], limits)))
+        await asyncio.sleep(0.02)  # the model is busy; the next batch waits
+        jobs = [_job([2], limits), _job([77], limits), _job([3], limits)]
+        batch = asyncio.create_task(executor.run(jobs))
+        await asyncio.sleep(0.01)
+        jobs[1].future.cancel()  # what the Serve shell does when that client disconnects
+        await blocker
+        return await batch
+
+    first, dropped, last = asyncio.run(main())
+    assert first == [4] and last == [6]
+    assert isinstance(dropped, asyncio.CancelledError)
+    assert all(77 not in call for call in model.calls)
