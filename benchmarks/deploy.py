@@ -1,0 +1,227 @@
+"""Starting Ray and Serve for a benchmark, and deploying the systems under test side by side.
+
+Every system gets the same model source and the same replica resources (``Resources``):
+the same ``num_cpus`` reservation and the same torch thread count. Ray's *logical* CPU count
+is raised to fit all replicas at once (three model replicas at 0.8 CPU each would not fit in
+2); that is bookkeeping only, because the systems are measured one after another and an idle
+replica uses no CPU, while the torch thread count is what bounds each replica's compute.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import socket
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field
+
+REPO_ROOT = Path(__file__).resolve().parent.parent
+SERVE_CONFIG = REPO_ROOT / "serve.yaml"
+DEFAULT_PORT = 8100  # not 8000: a developer's `make serve` may hold that one
+DEFAULT_MODEL = "packaged:all-MiniLM-L6-v2"
+METRICS_INTERVAL_MS = 2000
+
+
+class Resources(BaseModel):
+    """What every model replica gets, whichever system it belongs to."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    num_cpus: float = Field(
+        default=0.8, gt=0, le=64, description="CPU reservation per model replica (serve.yaml's)."
+    )
+    torch_threads: int = Field(default=1, ge=1, le=64, description="torch intra-op threads.")
+    ingress_num_cpus: float = Field(default=0.1, gt=0, le=8, description="carpool's ingress.")
+    model: str = Field(default=DEFAULT_MODEL, description="Model source for every system.")
+
+
+@dataclass(frozen=True)
+class SystemSpec:
+    """A system under test: its Serve app, route prefix and request kind."""
+
+    name: str
+    prefix: str
+    kind: str
+    description: str
+    build: Callable[[Resources, dict[str, Any]], Any]  # (resources, overrides) -> Application
+
+
+def carpool_embed_args(resources: Resources, batching: dict[str, Any] | None = None) -> dict:
+    """``pipelines.embed`` args: serve.yaml's embed entry, with the common resources applied.
+
+    Reading serve.yaml means the benchmark measures what ships; ``batching`` overrides the
+    knobs for tuning experiments.
+    """
+    args: dict[str, Any] = {}
+    if SERVE_CONFIG.is_file():
+        with open(SERVE_CONFIG) as fh:
+            config = yaml.safe_load(fh) or {}
+        for app in config.get("applications", []):
+            if app.get("import_path", "").startswith("pipelines.embed"):
+                args = dict(app.get("args") or {})
+    embedder = dict(args.get("embedder") or {})
+    source = dict(embedder.get("source") or {})
+    source["model"] = resources.model
+    embedder["source"] = source
+    replica = dict(embedder.get("replica") or {})
+    replica.update(num_cpus=resources.num_cpus, torch_threads=resources.torch_threads)
+    embedder["replica"] = replica
+    embedder["batching"] = {**(embedder.get("batching") or {}), **(batching or {})}
+    args["embedder"] = embedder
+    ingress = dict(args.get("ingress") or {})
+    ingress["num_cpus"] = resources.ingress_num_cpus
+    args["ingress"] = ingress
+    return args
+
+
+def baseline_args(resources: Resources, overrides: dict[str, Any] | None = None) -> dict:
+    return {
+        "embedder": {
+            "source": {"model": resources.model},
+            "replica": {"num_cpus": resources.num_cpus, "torch_threads": resources.torch_threads},
+        },
+        **(overrides or {}),
+    }
+
+
+def _build_carpool(resources: Resources, overrides: dict[str, Any]) -> Any:
+    from pipelines.embed import build_embed_app
+
+    return build_embed_app(carpool_embed_args(resources, overrides))
+
+
+def _build_naive(resources: Resources, overrides: dict[str, Any]) -> Any:
+    from benchmarks.baselines import build_naive_app
+
+    return build_naive_app(baseline_args(resources, overrides))
+
+
+def _build_servebatch(resources: Resources, overrides: dict[str, Any]) -> Any:
+    from benchmarks.baselines import build_servebatch_app
+
+    return build_servebatch_app(baseline_args(resources, overrides))
+
+
+SYSTEMS: dict[str, SystemSpec] = {
+    "carpool": SystemSpec(
+        "carpool",
+        "/embed",
+        "embed",
+        "pipelines.embed: ingress + embedder with length-aware batching (serve.yaml knobs)",
+        _build_carpool,
+    ),
+    "naive": SystemSpec(
+        "naive",
+        "/bench-naive",
+        "embed",
+        "one forward pass per request, no batching",
+        _build_naive,
+    ),
+    "serve-batch": SystemSpec(
+        "serve-batch",
+        "/bench-servebatch",
+        "embed",
+        "plain @serve.batch(max_batch_size=32 texts), one pass per batch padded to its longest",
+        _build_servebatch,
+    ),
+}
+
+
+def port_is_free(port: int, host: str = "127.0.0.1") -> bool:
+    with socket.socket() as s:
+        try:
+            s.bind((host, port))
+        except OSError:
+            return False
+    return True
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+class ServeCluster:
+    """A private Ray + Serve for one benchmark process, torn down at the end."""
+
+    def __init__(self, port: int = DEFAULT_PORT, logical_cpus: float | None = None) -> None:
+        self.port = port
+        self.logical_cpus = logical_cpus
+        self.metrics_port = free_port()
+        self.started = False
+
+    @property
+    def base_url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    def start(self) -> None:
+        if not port_is_free(self.port):
+            raise RuntimeError(
+                f"port {self.port} on 127.0.0.1 is in use; pass --port with a free one, or "
+                "--url to benchmark the server already there"
+            )
+        # Token auth (Ray 2.60's default for local clusters) would make our own status calls
+        # answer 401; this cluster is private to the benchmark and bound to 127.0.0.1.
+        os.environ.setdefault("RAY_AUTH_MODE", "disabled")
+        os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
+        import ray
+        from ray import serve
+
+        cpus = self.logical_cpus or float(os.cpu_count() or 2)
+        ray.init(
+            address="local",  # always a fresh cluster, never another agent's
+            num_cpus=math.ceil(cpus),
+            include_dashboard=False,
+            log_to_driver=False,
+            object_store_memory=256 * 1024 * 1024,  # requests are small; keep /dev/shm free
+            _metrics_export_port=self.metrics_port,
+            # Replicas push metrics every 10 s by default; 2 s lets the batch-size histogram
+            # be read a few seconds after a run instead of ten.
+            _system_config={"metrics_report_interval_ms": METRICS_INTERVAL_MS},
+        )
+        self.started = True
+        serve.start(
+            proxy_location="HeadOnly",
+            http_options={"host": "127.0.0.1", "port": self.port},
+        )
+
+    def deploy(self, systems: list[SystemSpec], resources: Resources, overrides: dict) -> None:
+        """Deploys all systems at once (model loads overlap) and waits until they run."""
+        from ray import serve
+
+        serve.run_many(
+            [
+                serve.RunTarget(
+                    s.build(resources, overrides.get(s.name, {})),
+                    name=f"bench-{s.name}",
+                    route_prefix=s.prefix,
+                )
+                for s in systems
+            ]
+        )
+
+    def shutdown(self) -> None:
+        if not self.started:
+            return
+        import ray
+        from ray import serve
+
+        try:
+            serve.shutdown()
+        finally:
+            ray.shutdown()
+            self.started = False
+
+
+def logical_cpus_needed(systems: list[SystemSpec], resources: Resources) -> float:
+    """Logical CPUs to reserve so every replica schedules (see the module docstring)."""
+    need = len(systems) * resources.num_cpus
+    if any(s.name == "carpool" for s in systems):
+        need += resources.ingress_num_cpus
+    return max(float(os.cpu_count() or 2), need + 0.1)

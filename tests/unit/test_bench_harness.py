@@ -1,0 +1,413 @@
+"""The benchmark harness's pure parts: percentiles, arrivals, trace scaling, JSONL, search."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import math
+import random
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from benchmarks.arrivals import ArrivalSpec, bursty_arrivals, poisson_arrivals
+from benchmarks.search import Probe, find_max_rate
+from benchmarks.stats import (
+    RequestRecord,
+    decumulate,
+    histogram_delta,
+    parse_prometheus_histogram,
+    percentile,
+    percentiles,
+    rebucket,
+    stats_delta,
+    summarize,
+)
+from benchmarks.targets import EmbeddingsTarget, RerankTarget, make_target
+from benchmarks.trace import (
+    DEFAULT_TRACE,
+    REPO_ROOT,
+    TRACE_ATTRIBUTION,
+    TraceScaling,
+    load_azure_trace,
+    resolve_trace_path,
+    scale_trace,
+    trace_workload,
+)
+from benchmarks.workloads import (
+    EmbedRequest,
+    GenerateRequest,
+    JsonlError,
+    LengthMix,
+    RankRequest,
+    embed_workload,
+    generate_workload,
+    load_jsonl,
+    rank_workload,
+    synth_text,
+    write_jsonl,
+)
+
+# --- percentiles and summaries -----------------------------------------------------------
+
+
+@pytest.mark.parametrize("n", [1, 2, 7, 100, 1001])
+def test_percentile_matches_numpy(n: int) -> None:
+    rng = random.Random(n)
+    values = [rng.expovariate(1 / 50) for _ in range(n)]
+    for q in (0, 1, 50, 90, 99, 99.9, 100):
+        assert percentile(values, q) == pytest.approx(float(np.percentile(values, q)))
+
+
+def test_percentile_edges() -> None:
+    assert math.isnan(percentile([], 50))
+    assert percentile([3.0], 99.9) == 3.0
+    assert percentile([1.0, math.inf], 99) == math.inf  # no NaN from inf - inf
+    assert percentile([1.0, 2.0, math.inf], 50) == 2.0
+    with pytest.raises(ValueError, match="outside"):
+        percentile([1.0], 101)
+    assert list(percentiles([1.0, 2.0])) == ["p50", "p90", "p99", "p99.9"]
+
+
+def _rec(i: int, sched: float, done: float, status: int = 200, items: int = 2) -> RequestRecord:
+    return RequestRecord(i, sched, sched + 0.001, done, status, items, items * 10)
+
+
+def test_summary_counts_and_throughput() -> None:
+    records = [
+        _rec(0, 0.0, 0.1),
+        _rec(1, 0.5, 0.7),
+        _rec(2, 1.0, 1.3),
+        _rec(3, 1.5, 2.0, status=503, items=0),
+        _rec(4, 1.6, 1.7, status=400, items=0),
+        _rec(5, 1.7, 3.7, status=-1, items=0),
+        _rec(6, 1.8, 2.0, status=-2, items=0),
+    ]
+    s = summarize(records)
+    assert (s.sent, s.ok, s.rejected, s.errors, s.timeouts, s.cancelled) == (7, 3, 1, 1, 1, 1)
+    assert s.span_s == pytest.approx(3.7)
+    assert s.requests_per_s == pytest.approx(3 / 3.7)
+    assert s.items_per_s == pytest.approx(6 / 3.7)
+    assert s.tokens_per_s == pytest.approx(60 / 3.7)
+    assert s.latency_ms["p50"] == pytest.approx(200)  # 100, 200, 300 ms
+    assert s.max_latency_ms == pytest.approx(300)
+    assert s.slo_p99_ms == math.inf
+    assert s.offered_rps == pytest.approx(6 / 1.8)
+    assert s.client_lag_ms["p50"] == pytest.approx(1.0)
+
+
+def test_summary_with_fixed_window_and_no_records() -> None:
+    s = summarize([_rec(0, 0.0, 0.1), _rec(1, 0.0, 0.2)], window_s=4.0)
+    assert s.requests_per_s == pytest.approx(0.5)
+    empty = summarize([])
+    assert empty.sent == 0 and empty.requests_per_s == 0 and math.isnan(empty.latency_ms["p50"])
+
+
+# --- replica stats -----------------------------------------------------------------------
+
+
+def test_stats_delta_recomputes_ratios_from_differences() -> None:
+    before = {"forward_passes": 10, "items": 40, "real_tokens": 400, "padded_tokens": 500}
+    after = {
+        "forward_passes": 20,
+        "items": 140,
+        "real_tokens": 1400,
+        "padded_tokens": 3500,
+        "mean_items_per_pass": 7.0,  # cumulative: must not be used
+        "forward_ms": 100.0,
+        "items_per_pass_histogram": {"4": 3, "10": 10},
+    }
+    before["forward_ms"] = 50.0
+    before["items_per_pass_histogram"] = {"4": 3}
+    d = stats_delta(before, after)
+    assert d["items"] == 100 and d["forward_passes"] == 10
+    assert d["mean_items_per_pass"] == pytest.approx(10.0)
+    assert d["padding_waste_ratio"] == pytest.approx(1 - 1000 / 3000)
+    assert d["mean_forward_ms"] == pytest.approx(5.0)
+    assert d["items_per_pass_histogram"] == {"10": 10.0}
+
+
+def test_histogram_helpers() -> None:
+    assert histogram_delta({"1": 2, "2": 5}, {"1": 2, "2": 9, "4": 1}) == {"2": 4.0, "4": 1.0}
+    assert rebucket({"1": 2, "3": 1, "5": 4, "300": 1}, [1, 2, 4, 8]) == {
+        "1": 2.0,
+        "2": 0.0,
+        "4": 1.0,
+        "8": 4.0,
+        "+Inf": 1.0,
+    }
+    assert decumulate({"1": 2, "2": 2, "4": 5, "+Inf": 6}) == {"1": 2, "2": 0, "4": 3, "+Inf": 1}
+
+
+def test_parse_prometheus_histogram_sums_matching_series() -> None:
+    text = "\n".join(
+        [
+            "# HELP ray_carpool_forward_items Items per pass.",
+            'ray_carpool_forward_items_bucket{application="a",replica="r1",le="1.0"} 2.0',
+            'ray_carpool_forward_items_bucket{application="a",replica="r1",le="+Inf"} 5.0',
+            'ray_carpool_forward_items_bucket{application="a",replica="r2",le="1.0"} 1.0',
+            'ray_carpool_forward_items_bucket{application="a",replica="r2",le="+Inf"} 1.0',
+            'ray_carpool_forward_items_bucket{application="b",replica="r3",le="1.0"} 9.0',
+            'ray_carpool_forward_items_count{application="a"} 6.0',
+        ]
+    )
+    got = parse_prometheus_histogram(text, "ray_carpool_forward_items", {"application": "a"})
+    assert got == {"1": 3.0, "+Inf": 6.0}
+
+
+# --- arrivals ----------------------------------------------------------------------------
+
+
+def test_poisson_arrivals_rate_gaps_and_determinism() -> None:
+    times = poisson_arrivals(200, 50, random.Random(1))
+    assert times == poisson_arrivals(200, 50, random.Random(1))
+    assert all(0 <= t < 50 for t in times) and times == sorted(times)
+    n = len(times)
+    assert abs(n - 10_000) < 4 * math.sqrt(10_000)  # within 4 sigma
+    gaps = np.diff(times)
+    assert np.mean(gaps) == pytest.approx(1 / 200, rel=0.05)
+    # Exponential gaps: the coefficient of variation is 1.
+    assert np.std(gaps) / np.mean(gaps) == pytest.approx(1.0, rel=0.08)
+    with pytest.raises(ValueError, match="rate"):
+        poisson_arrivals(0, 1, random.Random(0))
+
+
+def test_bursty_arrivals_are_silent_when_off_and_keep_the_mean() -> None:
+    times = bursty_arrivals(50, on_s=1.0, off_s=3.0, duration_s=400, rng=random.Random(2))
+    assert all((t % 4.0) < 1.0 for t in times)
+    assert len(times) / 400 == pytest.approx(50, rel=0.05)
+
+
+def test_arrival_spec_validates_and_labels() -> None:
+    with pytest.raises(ValueError, match="needs a rate"):
+        ArrivalSpec(kind="poisson")
+    spec = ArrivalSpec(kind="bursty", rate=4, duration_s=10, seed=5)
+    assert spec.schedule() == ArrivalSpec(kind="bursty", rate=4, duration_s=10, seed=5).schedule()
+    assert "bursty" in spec.label()
+    with pytest.raises(ValueError, match="no schedule"):
+        ArrivalSpec(kind="closed").schedule()
+
+
+# --- workloads ---------------------------------------------------------------------------
+
+
+def test_embed_generator_is_seeded_and_in_range() -> None:
+    wl = embed_workload(300, seed=4)
+    again = embed_workload(300, seed=4)
+    assert [r.texts for r in wl.requests] == [r.texts for r in again.requests]
+    assert all(isinstance(r, EmbedRequest) and 1 <= r.items <= 8 for r in wl.requests)
+    lengths = [len(t.split()) + 2 for r in wl.requests for t in r.texts]
+    assert min(lengths) >= 4 and max(lengths) <= 512
+    # Long-tailed: the mean sits well above the median.
+    assert np.mean(lengths) > 1.3 * np.median(lengths)
+    assert wl.take(305)[300] is wl.requests[0]
+
+
+def test_rank_and_generate_generators() -> None:
+    rank = rank_workload(200, seed=1)
+    assert all(isinstance(r, RankRequest) and 5 <= r.items <= 50 for r in rank.requests)
+    gen = generate_workload(200, seed=1)
+    assert all(isinstance(r, GenerateRequest) and 8 <= r.max_tokens <= 256 for r in gen.requests)
+    assert gen.kind == "generate"
+
+
+def test_length_mix_rejects_inverted_bounds() -> None:
+    with pytest.raises(ValueError, match="swap"):
+        LengthMix(low=10, high=5)
+
+
+def test_synthetic_texts_hit_their_token_count() -> None:
+    tokenizer = pytest.importorskip("tests.factories").bert_tokenizer
+    try:
+        tok = tokenizer()
+    except Exception:
+        pytest.skip("packaged MiniLM tokenizer not installed")
+    rng = random.Random(0)
+    for n in (4, 17, 100, 300):
+        assert len(tok(synth_text(n, rng))["input_ids"]) == n
+
+
+def test_jsonl_round_trip_and_kinds(tmp_path: Path) -> None:
+    path = tmp_path / "w.jsonl"
+    path.write_text(
+        "\n".join(
+            [
+                json.dumps({"input": "one text"}),
+                "",
+                json.dumps({"input": ["a b", "c"]}),
+                json.dumps({"query": "q", "documents": ["d1", "d2 d3"]}),
+                json.dumps({"prompt": "hi", "max_tokens": 12}),
+            ]
+        )
+    )
+    wl = load_jsonl(path)
+    assert [r.kind for r in wl.requests] == ["embed", "embed", "rank", "generate"]
+    assert wl.requests[1].items == 2 and wl.requests[2].items == 2
+    assert wl.arrivals is None and wl.name == "w"
+    out = tmp_path / "copy.jsonl"
+    write_jsonl(out, wl.requests)
+    assert [r.kind for r in load_jsonl(out).requests] == [r.kind for r in wl.requests]
+
+
+def test_jsonl_arrivals_are_sorted_and_rebased(tmp_path: Path) -> None:
+    path = tmp_path / "timed.jsonl"
+    lines = [{"input": "late", "arrival_s": 7.5}, {"input": "early", "arrival_s": 2.5}]
+    path.write_text("\n".join(json.dumps(x) for x in lines))
+    wl = load_jsonl(path)
+    assert wl.arrivals == [0.0, 5.0]
+    assert wl.requests[0].texts == ("early",)
+
+
+@pytest.mark.parametrize(
+    ("content", "message"),
+    [
+        ("{not json", r"w\.jsonl:1: not valid JSON"),
+        ('{"input": []}', r":1: 'input' must be"),
+        ('{"foo": 1}', r":1: cannot tell the request kind"),
+        ('{"prompt": "x", "max_tokens": 0}', r"max_tokens"),
+        ('{"input": "a", "arrival_s": 1}\n{"input": "b"}', r"1 of 2 lines have arrival_s"),
+        ('{"input": "a", "arrival_s": -1}', r"arrival_s must be"),
+        ("\n\n", r"no requests"),
+    ],
+)
+def test_jsonl_errors_name_file_and_line(tmp_path: Path, content: str, message: str) -> None:
+    path = tmp_path / "w.jsonl"
+    path.write_text(content)
+    with pytest.raises(JsonlError, match=message):
+        load_jsonl(path)
+
+
+# --- trace -------------------------------------------------------------------------------
+
+
+def _write_trace(path: Path, n: int = 50, gap: float = 0.5) -> None:
+    lines = ["TIMESTAMP,ContextTokens,GeneratedTokens"]
+    for i in range(n):
+        secs = 10 + i * gap
+        lines.append(f"2023-11-16 18:15:{secs:010.7f},{100 * (i + 1)},{40 * (i + 1)}")
+    path.write_text("\n".join(lines) + "\n")
+
+
+def test_trace_load_and_scale(tmp_path: Path) -> None:
+    path = tmp_path / "trace.csv"
+    _write_trace(path)
+    rows = load_azure_trace(path)
+    assert len(rows) == 50 and rows[0].t == 0.0 and rows[1].t == pytest.approx(0.5)
+    scaled = scale_trace(
+        rows, TraceScaling(rate=4.0, duration_s=5.0, start_s=1.0, token_scale=0.1, max_tokens=512)
+    )
+    # 4/s x 5 s = 20 requests, taken from the first one at or after 1.0 trace seconds.
+    assert len(scaled.arrivals) == 20
+    assert scaled.window_start_s == pytest.approx(1.0)
+    # The window (1.0 .. 11.0 trace s) is squeezed into 5 s: a factor of 2.
+    assert scaled.time_factor == pytest.approx(2.0)
+    assert scaled.arrivals[:3] == pytest.approx([0.0, 0.25, 0.5])
+    assert scaled.arrivals[-1] < 5.0
+    # Tokens: x0.1 then clipped (rows 3.. have 300.. context tokens).
+    assert scaled.context_tokens[:2] == [30, 40]
+    assert max(scaled.context_tokens) <= 512
+    assert scaled.generated_tokens[0] == 30  # 120 x 0.25
+    d = scaled.describe()
+    assert d["time_factor"] == pytest.approx(2.0) and d["token_scale"] == 0.1
+    assert d["attribution"] == TRACE_ATTRIBUTION and "CC-BY 4.0" in TRACE_ATTRIBUTION
+    wl = trace_workload(scaled, "embed")
+    assert wl.arrivals == scaled.arrivals and all(r.items == 1 for r in wl.requests)
+    with pytest.raises(ValueError, match="trace has"):
+        scale_trace(rows, TraceScaling(rate=100, duration_s=5))
+
+
+def test_trace_path_is_relative_to_the_repo(tmp_path: Path) -> None:
+    assert resolve_trace_path(DEFAULT_TRACE) == (REPO_ROOT / DEFAULT_TRACE).resolve()
+    assert resolve_trace_path(tmp_path / "x.csv") == tmp_path / "x.csv"
+    with pytest.raises(FileNotFoundError, match="--trace"):
+        load_azure_trace(tmp_path / "missing.csv")
+
+
+# --- targets -----------------------------------------------------------------------------
+
+
+def test_targets_encode_and_decode() -> None:
+    t = EmbeddingsTarget("x", "embed/")
+    assert t.path == "/embed/v1/embeddings" and t.stats_path == "/embed/v1/stats"
+    req = EmbedRequest(("a", "b"), 6)
+    assert json.loads(t.encode(req)) == {"input": ["a", "b"], "encoding_format": "base64"}
+    answer = t.decode(req, b'{"data": [{}, {}], "usage": {"prompt_tokens": 9}}')
+    assert (answer.items, answer.tokens) == (2, 9)
+    assert t.decode(req, b"not json").tokens == 6  # falls back to the estimate
+    r = RerankTarget("r", "/rank")
+    with pytest.raises(ValueError, match="serves 'rank'"):
+        r.encode(req)
+    with pytest.raises(NotImplementedError, match="generation"):
+        make_target("generate", "g", "/gen")
+
+
+# --- search ------------------------------------------------------------------------------
+
+
+def _search(threshold: float, guess: float, **kw: object) -> tuple[float, list[float]]:
+    async def probe(rate: float) -> Probe:
+        return Probe(rate, rate <= threshold)
+
+    result = asyncio.run(find_max_rate(probe, guess, **kw))  # type: ignore[arg-type]
+    return result.rate, [p.rate for p in result.probes]
+
+
+@pytest.mark.parametrize("guess", [1.0, 7.0, 30.0, 200.0])
+def test_search_finds_the_threshold_within_resolution(guess: float) -> None:
+    rate, probes = _search(20.0, guess, max_probes=20, resolution=0.02)
+    assert rate <= 20.0
+    assert rate >= 20.0 / 1.02 - 1e-9
+    assert len(probes) <= 20
+
+
+def test_search_respects_the_probe_budget_and_reports_nothing_passing() -> None:
+    rate, probes = _search(20.0, 5.0, max_probes=3)
+    assert len(probes) == 3 and 0 < rate <= 20
+    rate, probes = _search(0.0, 5.0, max_probes=10, min_rate=0.5)
+    assert rate == 0.0 and min(probes) >= 0.5 / 1.6
+
+
+# --- report ------------------------------------------------------------------------------
+
+
+def test_headline_ratios_and_markdown() -> None:
+    from benchmarks.report import suite_markdown
+    from benchmarks.suite import headline
+
+    def run(items: float) -> dict:
+        return {
+            "summary": summarize([_rec(0, 0.0, 0.1, items=int(items))], window_s=1.0).to_dict(),
+            "replica": {"mean_items_per_pass": 3.0, "padding_waste_ratio": 0.25},
+            "tags": {"rate": 1.0, "passed": True},
+            "aborted": None,
+        }
+
+    results = {
+        "config": {"slo_ms": 500, "resources": {"model": "m", "num_cpus": 0.8}},
+        "search": {
+            name: {"rate": items / 4, "best": run(items), "probes": [run(items)]}
+            for name, items in (("carpool", 60), ("naive", 20), ("serve-batch", 30))
+        },
+        "offline": {"best": {"items_per_s": 75.0, "batch_size": 64}},
+    }
+    results["headline"] = head = headline(results, 500)
+    assert head["ratios"]["carpool / naive"] == pytest.approx(3.0)
+    assert head["ratios"]["carpool / serve-batch"] == pytest.approx(2.0)
+    assert head["ratios"]["carpool / offline limit"] == pytest.approx(0.8)
+    assert all(head["met"].values())
+    text = suite_markdown(results)
+    assert "carpool / naive: **3.00x** (target >= 3: met)" in text
+    assert "| carpool |" in text
+
+
+def test_cli_parses_every_subcommand() -> None:
+    from benchmarks.__main__ import build_parser
+
+    p = build_parser()
+    a = p.parse_args(["run", "--system", "carpool", "--arrival", "sweep", "--rates", "2,4"])
+    assert a.rates == [2.0, 4.0] and a.system == ["carpool"]
+    a = p.parse_args(["suite", "--quick", "--variant", 'small={"max_batch_tokens": 1024}'])
+    assert a.variant == [("small", {"max_batch_tokens": 1024})] and a.port == 8100
+    with pytest.raises(SystemExit):
+        p.parse_args(["suite", "--variant", "not-json"])
