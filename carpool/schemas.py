@@ -168,3 +168,75 @@ class ModelCard(BaseModel):
 class ModelList(BaseModel):
     object: Literal["list"] = "list"
     data: list[ModelCard]
+
+
+class DocumentIn(BaseModel):
+    """One document to ingest; re-sending an id replaces that document."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    id: str = Field(min_length=1, max_length=256, description="Document id (cited in answers).")
+    text: str = Field(min_length=1, max_length=MAX_TEXT_CHARS_HARD, description="Full text.")
+    metadata: dict[str, str | int | float | bool | None] = Field(
+        default_factory=dict, description="Flat metadata returned with search results."
+    )
+
+    @field_validator("text")
+    @classmethod
+    def _not_blank(cls, value: str) -> str:
+        if not value.strip():
+            raise ValueError("text is only whitespace; send the document's text")
+        return value
+
+
+class IngestRequest(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    documents: list[DocumentIn] = Field(min_length=1, max_length=1024)
+
+    @field_validator("documents")
+    @classmethod
+    def _unique_ids(cls, value: list[DocumentIn]) -> list[DocumentIn]:
+        ids = [d.id for d in value]
+        dupes = sorted({i for i in ids if ids.count(i) > 1})
+        if dupes:
+            raise ValueError(f"documents repeat ids {dupes[:5]}; send each id once")
+        return value
+
+
+class IngestResponse(BaseModel):
+    ids: list[str]
+    chunks: int
+
+
+class SearchRequest(BaseModel):
+    """``POST /search/v1/search``: embed the query, retrieve, rerank."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    query: str = Field(min_length=1, max_length=8000, description="What to search for.")
+    top_k: int = Field(default=20, ge=1, le=200, description="Chunks retrieved before reranking.")
+    top_n: int = Field(default=5, ge=1, le=200, description="Results returned.")
+    rerank: bool = Field(default=True, description="Rerank retrieved chunks with the ranker.")
+
+    @field_validator("query")
+    @classmethod
+    def _query_not_blank(cls, value: str) -> str:
+        if not value.strip():
+            raise ValueError("query is only whitespace; send the text to search for")
+        return value
+
+
+class SearchHit(BaseModel):
+    doc_id: str
+    chunk_id: int
+    text: str
+    score: float = Field(description="Rerank score (sigmoid) when reranked, else cosine.")
+    retrieval_score: float
+    metadata: dict[str, str | int | float | bool | None] = Field(default_factory=dict)
+
+
+class SearchResponse(BaseModel):
+    query: str
+    results: list[SearchHit]
+    reranked: bool

@@ -1,0 +1,218 @@
+"""Retriever: ingest documents (chunk, embed through the embedder, index) and search them.
+
+``RetrievalServer`` is plain Python over a ``VectorIndex`` and an injected ``embed`` coroutine;
+the Serve shell wires ``embed`` to the embedder deployment of the embed app, so one set of
+embedder replicas serves the whole cluster. The index lives in this replica's memory and is
+persisted to ``index_dir``, so run one replica per index (``num_replicas: 1``).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+from collections.abc import Awaitable, Callable
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+from pydantic import Field, model_validator
+from ray import serve
+from ray.serve.deployment import Application
+
+from carpool.config import StrictModel
+from carpool.errors import RequestError
+from carpool.index import Chunk, VectorIndex, chunk_text
+from carpool.models import cache_dir
+
+logger = logging.getLogger(__name__)
+
+DEFAULT_CORPUS = Path(__file__).resolve().parents[1] / "carpool" / "corpus"
+
+Embed = Callable[[list[str]], Awaitable[list[np.ndarray]]]
+
+
+class RetrieverConfig(StrictModel):
+    """The retriever's index, chunking and placement."""
+
+    index_dir: str | None = Field(
+        default=None,
+        max_length=4096,
+        description="Where the index persists (snapshot + append log); default "
+        "$CARPOOL_CACHE/index/<app>. Empty string: memory only.",
+    )
+    chunk_chars: int = Field(default=800, ge=50, le=100_000, description="Chunk size, characters.")
+    overlap_chars: int = Field(
+        default=160, ge=0, le=50_000, description="Characters shared by neighbouring chunks."
+    )
+    embed_batch_texts: int = Field(
+        default=64, ge=1, le=4096, description="Chunks per call to the embedder while ingesting."
+    )
+    compact_every: int = Field(
+        default=1000, ge=1, le=10_000_000, description="Log entries before a new snapshot."
+    )
+    seed_default_corpus: bool = Field(
+        default=True,
+        description="Ingest carpool's own docs when the index starts empty, so a fresh "
+        "deployment answers something real.",
+    )
+    embed_app: str = Field(default="embed", description="Serve app that hosts the embedder.")
+    embed_deployment: str = Field(default="embedder", description="Embedder deployment name.")
+    num_cpus: float = Field(default=0.1, gt=0, le=64, description="CPUs for the replica.")
+    max_ongoing_requests: int = Field(default=256, ge=1, le=100_000)
+
+    @model_validator(mode="after")
+    def _overlap_below_chunk(self) -> RetrieverConfig:
+        if self.overlap_chars >= self.chunk_chars:
+            raise ValueError(
+                f"overlap_chars ({self.overlap_chars}) must be below chunk_chars "
+                f"({self.chunk_chars})"
+            )
+        return self
+
+
+class RetrievalServer:
+    """Plain-Python retriever: tests pass any ``embed`` coroutine."""
+
+    def __init__(self, config: RetrieverConfig | dict, embed: Embed, app_name: str = "search"):
+        self.config = (
+            config
+            if isinstance(config, RetrieverConfig)
+            else RetrieverConfig.model_validate(config)
+        )
+        self._embed = embed
+        self._app_name = app_name
+        self._index: VectorIndex | None = None
+        self._ready = asyncio.Lock()
+        # Ingestion is serialised: concurrent upserts of one id must not interleave.
+        self._writes = asyncio.Lock()
+
+    def _index_dir(self) -> str | None:
+        configured = self.config.index_dir
+        if configured == "":
+            return None
+        return (
+            os.path.expanduser(configured)
+            if configured
+            else str(cache_dir() / "index" / self._app_name)
+        )
+
+    async def index(self) -> VectorIndex:
+        """The index, opened on first use (the embedder tells its dimension then)."""
+        async with self._ready:
+            if self._index is None:
+                probe = await self._embed(["dimension probe"])
+                index = VectorIndex(len(probe[0]), self._index_dir(), self.config.compact_every)
+                self._index = index
+                if len(index) == 0 and self.config.seed_default_corpus:
+                    await self._ingest(self._default_corpus(), index)
+            return self._index
+
+    @staticmethod
+    def _default_corpus() -> list[dict[str, Any]]:
+        docs = []
+        for path in sorted(DEFAULT_CORPUS.glob("*.md")):
+            docs.append(
+                {
+                    "id": f"carpool:{path.stem}",
+                    "text": path.read_text(),
+                    "metadata": {"source": "carpool docs"},
+                }
+            )
+        return docs
+
+    async def add_documents(self, documents: list[dict[str, Any]]) -> dict[str, Any]:
+        index = await self.index()
+        return await self._ingest(documents, index)
+
+    async def _ingest(self, documents: list[dict[str, Any]], index: VectorIndex) -> dict[str, Any]:
+        planned: list[tuple[dict[str, Any], list[Chunk]]] = []
+        for doc in documents:
+            pieces = chunk_text(doc["text"], self.config.chunk_chars, self.config.overlap_chars)
+            if not pieces:
+                raise RequestError(400, f"document {doc['id']!r} has no text; send some text")
+            planned.append(
+                (
+                    doc,
+                    [
+                        Chunk(doc["id"], i, text, start, dict(doc.get("metadata") or {}))
+                        for i, (start, text) in enumerate(pieces)
+                    ],
+                )
+            )
+        texts = [c.text for _, chunks in planned for c in chunks]
+        step = self.config.embed_batch_texts
+        # Calls in flight together: the embedder batches them with everyone else's requests.
+        parts = await asyncio.gather(
+            *(self._embed(texts[i : i + step]) for i in range(0, len(texts), step))
+        )
+        vectors = np.asarray([v for part in parts for v in part], dtype=np.float32)
+        async with self._writes:
+            offset = 0
+            for doc, chunks in planned:
+                index.upsert(
+                    doc["id"],
+                    dict(doc.get("metadata") or {}),
+                    chunks,
+                    vectors[offset : offset + len(chunks)],
+                )
+                offset += len(chunks)
+        return {
+            "ids": [doc["id"] for doc, _ in planned],
+            "chunks": sum(len(chunks) for _, chunks in planned),
+        }
+
+    async def delete_document(self, doc_id: str) -> bool:
+        index = await self.index()
+        async with self._writes:
+            return index.delete(doc_id)
+
+    async def list_documents(self) -> list[dict[str, Any]]:
+        return (await self.index()).documents()
+
+    async def search(self, query: str, top_k: int) -> list[dict[str, Any]]:
+        index = await self.index()
+        vector = (await self._embed([query]))[0]
+        return [
+            {
+                "doc_id": c.doc_id,
+                "chunk_id": c.chunk_id,
+                "text": c.text,
+                "start": c.start,
+                "metadata": c.metadata,
+                "score": score,
+            }
+            for c, score in index.search(vector, top_k)
+        ]
+
+
+class RetrievalDeployment(RetrievalServer):
+    """Serve shell: embeds through the embed app's embedder deployment."""
+
+    def __init__(self, config: dict, app_name: str) -> None:
+        parsed = RetrieverConfig.model_validate(config)
+        self._handle: Any = None
+        super().__init__(parsed, self._embed_remote, app_name)
+
+    async def _embed_remote(self, texts: list[str]) -> list[np.ndarray]:
+        if self._handle is None:
+            # Looked up on first use: apps deploy in any order, and this one must not fail
+            # to start just because the embed app is still coming up.
+            self._handle = serve.get_deployment_handle(
+                self.config.embed_deployment, app_name=self.config.embed_app
+            )
+        result = await self._handle.embed.remote(texts)
+        return result.vectors
+
+
+def build_retrieval_deployment(config: RetrieverConfig, app_name: str) -> Application:
+    return (
+        serve.deployment(RetrievalDeployment)
+        .options(
+            name="retriever",
+            num_replicas=1,
+            max_ongoing_requests=config.max_ongoing_requests,
+            ray_actor_options={"num_cpus": config.num_cpus},
+        )
+        .bind(config.model_dump(), app_name)
+    )
