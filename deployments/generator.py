@@ -179,6 +179,37 @@ def check_kv_budget(
     return need
 
 
+class ArrivalCollector:
+    """Groups submissions arriving within ``wait_s`` of the first into one engine submit.
+
+    What ``@serve.batch`` does for the deployment, for the plain server (tests, the compare
+    script), so a burst of arrivals is prefilled (or, in static mode, batched) together.
+    """
+
+    def __init__(self, submit: Any) -> None:
+        self._submit = submit
+        self._pending: list[GenSequence] = []
+        self._flush: asyncio.TimerHandle | None = None
+
+    async def add(self, seqs: list[GenSequence], wait_s: float) -> None:
+        self._pending.extend(seqs)
+        if wait_s <= 0:
+            self._run()
+        elif self._flush is None:
+            self._flush = asyncio.get_running_loop().call_later(wait_s, self._run)
+
+    def _run(self) -> None:
+        self._flush = None
+        pending, self._pending = self._pending, []
+        if not pending:
+            return
+        try:
+            self._submit(pending)
+        except Exception as exc:  # e.g. a closed engine: fail these requests, not the loop
+            for seq in pending:
+                seq.sink(SeqEvent(seq.index, finish_reason="error", error=str(exc)))
+
+
 class GeneratorServer:
     """Plain-Python generator server; tests use it without Ray."""
 
@@ -215,6 +246,7 @@ class GeneratorServer:
             self.bytes_per_token,
             cfg.limits.max_kv_cache_mb,
         )
+        self._collector: ArrivalCollector | None = None
         self.engine: GenerationEngine = make_engine(
             cfg.mode,
             self.model,
@@ -362,8 +394,10 @@ class GeneratorServer:
         return seqs, sum(len(p) for p in prompts)
 
     async def _submit(self, seqs: list[GenSequence]) -> None:
-        """Without Serve, sequences go straight to the engine."""
-        self.engine.submit(seqs)
+        """Without Serve, an asyncio collector stands in for ``@serve.batch``."""
+        if self._collector is None:
+            self._collector = ArrivalCollector(self.engine.submit)
+        await self._collector.add(seqs, self.batching.batch_wait_timeout_s)
 
     async def _events(self, call: GenerationCall) -> AsyncIterator[tuple[str, Any]]:
         """Yields ('start', prompt_tokens) then ('event', SeqEvent)s until every choice ends."""

@@ -1,0 +1,198 @@
+"""``python -m carpool.generation.compare``: continuous vs static batching, measured.
+
+Runs the same workload through a ``GeneratorServer`` in each mode, in this process (the
+code a replica runs, minus HTTP): ``--concurrency`` clients each send requests back to back
+until ``--requests`` are done; ``max_tokens`` are spread evenly over
+``--min-tokens..--max-tokens`` and shuffled; greedy with ``ignore_eos`` so every request
+generates exactly its ``max_tokens``. Prints a table and writes JSON.
+
+The default is one wave: 16 requests, 16 clients, max_tokens 8..256.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import platform
+import random
+import statistics
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+PROMPTS = [
+    "Write a short story about a carpool that crosses the mountains.",
+    "Explain how a battery stores energy.",
+    "List some facts about the river that runs through Paris.",
+    "Describe the weather in a city by the sea.",
+    "Tell me about the history of the guitar.",
+    "What makes a good market for fresh vegetables?",
+    "Give advice to someone learning to cook.",
+    "Summarise why people like music festivals.",
+]
+
+
+def workload(n: int, lo: int, hi: int, seed: int) -> list[dict[str, Any]]:
+    """Requests with max_tokens spread evenly over [lo, hi], in a shuffled order."""
+    rng = random.Random(seed)
+    lengths = [round(lo + (hi - lo) * i / max(1, n - 1)) for i in range(n)]
+    rng.shuffle(lengths)
+    return [
+        {
+            "prompts": [PROMPTS[i % len(PROMPTS)]],
+            "max_tokens": length,
+            "temperature": 0.0,
+            "ignore_eos": True,
+        }
+        for i, length in enumerate(lengths)
+    ]
+
+
+async def run_mode(server: Any, requests: list[dict[str, Any]], concurrency: int) -> dict:
+    queue = list(enumerate(requests))
+    records: list[dict[str, float]] = []
+
+    async def client() -> None:
+        while queue:
+            _, call = queue.pop(0)
+            start = time.perf_counter()
+            first = None
+            tokens = 0
+            async for event in server.stream(call):
+                if event["type"] == "delta" and first is None:
+                    first = time.perf_counter()
+                if event["type"] == "end":
+                    tokens = event["completion_tokens"]
+            end = time.perf_counter()
+            records.append(
+                {
+                    "latency_s": end - start,
+                    "ttft_s": (first or end) - start,
+                    "tokens": tokens,
+                    "max_tokens": call["max_tokens"],
+                }
+            )
+
+    stats_before = server.stats()
+    start = time.perf_counter()
+    await asyncio.gather(*(client() for _ in range(concurrency)))
+    wall = time.perf_counter() - start
+    stats = server.stats()
+    tokens = sum(r["tokens"] for r in records)
+    latencies = sorted(r["latency_s"] for r in records)
+    steps = stats["steps"] - stats_before["steps"]
+    return {
+        "requests": len(records),
+        "output_tokens": tokens,
+        "wall_s": wall,
+        "tokens_per_s": tokens / wall,
+        "latency_p50_s": statistics.median(latencies),
+        "latency_p90_s": latencies[min(len(latencies) - 1, int(0.9 * len(latencies)))],
+        "ttft_p50_s": statistics.median(r["ttft_s"] for r in records),
+        "engine_steps": steps,
+        "tokens_per_step": tokens / steps if steps else 0.0,
+        "prefill_s": stats["prefill_s"] - stats_before["prefill_s"],
+        "decode_s": stats["decode_s"] - stats_before["decode_s"],
+    }
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--model", default="packaged:SmolLM2-135M-Instruct")
+    parser.add_argument("--modes", default="continuous,static")
+    parser.add_argument("--requests", type=int, default=16)
+    parser.add_argument("--concurrency", type=int, default=16)
+    parser.add_argument("--min-tokens", type=int, default=8)
+    parser.add_argument("--max-tokens", type=int, default=256)
+    parser.add_argument("--max-num-seqs", type=int, default=16)
+    parser.add_argument("--max-batch-tokens", type=int, default=512)
+    parser.add_argument("--threads", type=int, default=None, help="torch threads (default: all)")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--warmup", type=int, default=1, help="warm-up requests per mode")
+    parser.add_argument("--out", default="generation-compare.json")
+    args = parser.parse_args(argv)
+
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from carpool.models import resolve_model_source, size_torch_threads
+    from deployments.generator import GeneratorServer
+
+    threads = size_torch_threads(None, args.threads)
+    path = resolve_model_source(args.model)
+    tokenizer = AutoTokenizer.from_pretrained(path)
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+    requests = workload(args.requests, args.min_tokens, args.max_tokens, args.seed)
+    results: dict[str, Any] = {}
+    for mode in args.modes.split(","):
+        config = {
+            "source": {"model": args.model},
+            "mode": mode,
+            "batching": {
+                "max_num_seqs": args.max_num_seqs,
+                "max_batch_tokens": args.max_batch_tokens,
+            },
+        }
+        server = GeneratorServer(config, model=model, tokenizer=tokenizer)
+        warm = workload(args.warmup, 4, 4, args.seed)
+        asyncio.run(run_mode(server, warm, 1))
+        results[mode] = asyncio.run(run_mode(server, requests, args.concurrency))
+        server.close()
+        print(f"{mode}: done", file=sys.stderr)
+
+    cols = [
+        ("mode", "{}"),
+        ("requests", "{}"),
+        ("output_tokens", "{}"),
+        ("wall_s", "{:.1f}"),
+        ("tokens_per_s", "{:.1f}"),
+        ("latency_p50_s", "{:.2f}"),
+        ("latency_p90_s", "{:.2f}"),
+        ("ttft_p50_s", "{:.2f}"),
+        ("tokens_per_step", "{:.1f}"),
+    ]
+    rows = [
+        [fmt.format(mode if c == "mode" else r[c]) for c, fmt in cols]
+        for mode, r in results.items()
+    ]
+    widths = [max(len(c), *(len(row[i]) for row in rows)) for i, (c, _) in enumerate(cols)]
+    print("  ".join(c.ljust(w) for (c, _), w in zip(cols, widths, strict=True)))
+    for row in rows:
+        print("  ".join(v.ljust(w) for v, w in zip(row, widths, strict=True)))
+    summary: dict[str, Any] = {}
+    if "continuous" in results and "static" in results:
+        c, s = results["continuous"], results["static"]
+        summary = {
+            "throughput_ratio": c["tokens_per_s"] / s["tokens_per_s"],
+            "p50_latency_ratio": c["latency_p50_s"] / s["latency_p50_s"],
+        }
+        print(
+            f"continuous/static: {summary['throughput_ratio']:.2f}x tokens/s, "
+            f"p50 latency {summary['p50_latency_ratio']:.2f}x"
+        )
+    report = {
+        "command": "python -m carpool.generation.compare " + " ".join(sys.argv[1:]),
+        "model": args.model,
+        "workload": {
+            "requests": args.requests,
+            "concurrency": args.concurrency,
+            "max_tokens_range": [args.min_tokens, args.max_tokens],
+            "greedy": True,
+            "ignore_eos": True,
+        },
+        "engine": {"max_num_seqs": args.max_num_seqs, "max_batch_tokens": args.max_batch_tokens},
+        "torch_threads": threads,
+        "machine": {"cpus": os.cpu_count(), "python": platform.python_version()},
+        "results": results,
+        "summary": summary,
+    }
+    Path(args.out).write_text(json.dumps(report, indent=2) + "\n")
+    print(f"wrote {args.out}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
