@@ -548,9 +548,6 @@ class StaticEngine(GenerationEngine):
         super().__init__(tokenizer, limits, max_seq_len)
         self.model = model
         self.block_size = block_size
-        # generate() would stop rows at end-of-sequence on its own, even with ignore_eos;
-        # the stopping criterion below decides instead.
-        model.generation_config.eos_token_id = None
         self.waiting: list[GenSequence] = []
         self.batch: list[GenSequence] = []
         self._batch_len = 0
@@ -650,15 +647,22 @@ class StaticEngine(GenerationEngine):
                 )
                 return done.clone()
 
-        self.model.generate(
-            input_ids=ids.to(device),
-            attention_mask=mask.to(device),
-            max_new_tokens=max(s.params.max_tokens for s in batch),
-            do_sample=False,
-            pad_token_id=self.tok.pad_id,
-            logits_processor=LogitsProcessorList([RowSampler()]),
-            stopping_criteria=[RowStopper()],
-        )
+        # generate() would stop rows at end-of-sequence on its own, even with ignore_eos, and
+        # fills an unset eos from the model's config; the stopping criterion decides instead.
+        gen_config = self.model.generation_config
+        saved_eos, gen_config.eos_token_id = gen_config.eos_token_id, None
+        try:
+            self.model.generate(
+                input_ids=ids.to(device),
+                attention_mask=mask.to(device),
+                max_new_tokens=max(s.params.max_tokens for s in batch),
+                do_sample=False,
+                pad_token_id=self.tok.pad_id,
+                logits_processor=LogitsProcessorList([RowSampler()]),
+                stopping_criteria=[RowStopper()],
+            )
+        finally:
+            gen_config.eos_token_id = saved_eos
         for seq in batch:  # rows generate() ended without the criterion seeing them (none expected)
             if not seq.finished:
                 self._finish_now(seq, "length")

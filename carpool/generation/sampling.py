@@ -65,6 +65,8 @@ def sample_rows(logits: Any, states: list[SamplerState]) -> list[int]:
     """Picks one token per row of ``logits`` ([rows, vocab], float32) by each row's params."""
     import torch
 
+    if logits.shape[0] != len(states):
+        raise ValueError(f"{logits.shape[0]} rows of logits for {len(states)} sequences")
     chosen = torch.argmax(logits, dim=-1).tolist()
     for row, state in enumerate(states):
         if state.params.greedy:
