@@ -77,8 +77,19 @@ api = make_api(
 )
 
 
+# Helpers the ingress uses are defined above it: @serve.ingress serialises the routes when
+# the class is defined, and names defined later in the module are then missing.
+
+
 def sse(payload: Any) -> str:
     return f"data: {json.dumps(payload, separators=(',', ':'))}\n\n"
+
+
+def _usage(counts: dict[str, Any]) -> UsageInfo:
+    prompt, completion = counts["prompt_tokens"], counts["completion_tokens"]
+    return UsageInfo(
+        prompt_tokens=prompt, completion_tokens=completion, total_tokens=prompt + completion
+    )
 
 
 @serve.ingress(api)
@@ -307,13 +318,6 @@ class GenerateIngress:
     @api.get("/healthz")
     async def healthz(self) -> dict[str, str]:
         return {"status": "ok"}
-
-
-def _usage(counts: dict[str, Any]) -> UsageInfo:
-    prompt, completion = counts["prompt_tokens"], counts["completion_tokens"]
-    return UsageInfo(
-        prompt_tokens=prompt, completion_tokens=completion, total_tokens=prompt + completion
-    )
 
 
 def build_generate_app(args: dict[str, Any] | None = None) -> Application:

@@ -326,6 +326,8 @@ class GenerationEngine(ABC):
             self.totals["sequences_finished"] += 1
             self.totals["prompt_tokens"] += seq.num_prompt_tokens
             self.totals["output_tokens"] += len(seq.output_ids)
+            key = f"finished_{reason}"
+            self.totals[key] = self.totals.get(key, 0) + 1
         event = SeqEvent(
             index=seq.index,
             text=text,
