@@ -247,6 +247,7 @@ class BatchStats:
             "real_tokens": self.real_tokens,
             "padded_tokens": self.padded_tokens,
             "mean_items_per_pass": self.items / self.passes if self.passes else 0.0,
+            "mean_items_per_step": self.items / self.steps if self.steps else 0.0,
             "max_items_per_pass": self.max_pass_items,
             "padding_waste_ratio": (
                 1 - self.real_tokens / self.padded_tokens if self.padded_tokens else 0.0

@@ -231,8 +231,9 @@ class SearchHit(BaseModel):
     doc_id: str
     chunk_id: int
     text: str
-    score: float = Field(description="Rerank score (sigmoid) when reranked, else cosine.")
-    retrieval_score: float
+    score: float = Field(description="Final score: retrieval and rerank mixed (see rerank_weight).")
+    retrieval_score: float = Field(description="Cosine similarity of query and chunk.")
+    rerank_score: float | None = Field(default=None, description="Ranker's sigmoid score.")
     metadata: dict[str, str | int | float | bool | None] = Field(default_factory=dict)
 
 

@@ -34,6 +34,14 @@ class SearchArgs(StrictModel):
     retriever: RetrieverConfig = Field(default_factory=RetrieverConfig)
     rank_app: str = Field(default="rank", description="Serve app that hosts the ranker.")
     rank_deployment: str = Field(default="ranker", description="Ranker deployment name.")
+    rerank_weight: float = Field(
+        default=0.3,
+        ge=0.0,
+        le=1.0,
+        description="Weight of the reranker in the final score (z-scored rerank and retrieval "
+        "scores, mixed). The packaged LLM judge is weak, so retrieval leads by default; with a "
+        "real cross-encoder set 1.0 (rerank order only).",
+    )
     ingress: IngressConfig = Field(default_factory=IngressConfig)
 
 
@@ -62,27 +70,44 @@ class DocumentRoutes:
         return {"id": doc_id, "deleted": True}
 
 
+def zscores(values: list[float]) -> list[float]:
+    mean = sum(values) / len(values)
+    spread = (sum((v - mean) ** 2 for v in values) / len(values)) ** 0.5
+    return [(v - mean) / spread if spread > 1e-9 else 0.0 for v in values]
+
+
 async def retrieve_and_rerank(
-    retriever: DeploymentHandle, ranker: DeploymentHandle | None, body: SearchRequest
+    retriever: DeploymentHandle,
+    ranker: DeploymentHandle | None,
+    body: SearchRequest,
+    rerank_weight: float,
 ) -> list[SearchHit]:
     """The search DAG; the RAG pipeline runs the same stages before generating."""
     chunks = await call_backend("retriever", retriever.search.remote(body.query, body.top_k))
     if not chunks:
         return []
-    scores = [c["score"] for c in chunks]
-    if ranker is not None:
+    retrieval = [c["score"] for c in chunks]
+    final = retrieval
+    rerank: list[float | None] = [None] * len(chunks)
+    if ranker is not None and rerank_weight > 0:
         ranked = await call_backend(
             "ranker", ranker.rank.remote(body.query, [c["text"] for c in chunks], True)
         )
-        scores = [sigmoid(s) for s in ranked.scores]
-    order = sorted(range(len(chunks)), key=lambda i: -scores[i])[: body.top_n]
+        rerank = [sigmoid(s) for s in ranked.scores]
+        # z-scores put both on one scale; the weights then say whose opinion counts more.
+        final = [
+            rerank_weight * r + (1 - rerank_weight) * q
+            for r, q in zip(zscores(ranked.scores), zscores(retrieval), strict=True)
+        ]
+    order = sorted(range(len(chunks)), key=lambda i: -final[i])[: body.top_n]
     return [
         SearchHit(
             doc_id=chunks[i]["doc_id"],
             chunk_id=chunks[i]["chunk_id"],
             text=chunks[i]["text"],
-            score=scores[i],
-            retrieval_score=chunks[i]["score"],
+            score=final[i],
+            retrieval_score=retrieval[i],
+            rerank_score=rerank[i],
             metadata=chunks[i]["metadata"],
         )
         for i in order
@@ -106,7 +131,7 @@ class SearchIngress(DocumentRoutes):
     @api.post("/v1/search", response_model=SearchResponse)
     async def search(self, body: SearchRequest) -> JSONResponse:
         hits = await retrieve_and_rerank(
-            self.retriever, self.ranker() if body.rerank else None, body
+            self.retriever, self.ranker() if body.rerank else None, body, self.args.rerank_weight
         )
         response = SearchResponse(query=body.query, results=hits, reranked=body.rerank)
         return JSONResponse(response.model_dump())
