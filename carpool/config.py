@@ -64,6 +64,44 @@ class BatchingConfig(StrictModel):
     )
 
 
+class AutoscalingSettings(StrictModel):
+    """Serve autoscaling for one deployment, sized for batching."""
+
+    min_replicas: int = Field(
+        default=1, ge=0, le=1024, description="0 allows scale to zero (first request waits)."
+    )
+    max_replicas: int = Field(default=1, ge=1, le=1024, description="Upper bound.")
+    target_ongoing_requests: float | None = Field(
+        default=None,
+        gt=0,
+        le=100_000,
+        description="Requests per replica before scaling up; default max_batch_size, because "
+        "a batching replica is only busy when its batches are full (Serve's default of 2 would "
+        "add replicas long before batching pays).",
+    )
+    upscale_delay_s: float = Field(default=10.0, ge=0, le=3600)
+    downscale_delay_s: float = Field(default=120.0, ge=0, le=86_400)
+
+    @model_validator(mode="after")
+    def _bounds(self) -> AutoscalingSettings:
+        if self.min_replicas > self.max_replicas:
+            raise ValueError(
+                f"min_replicas ({self.min_replicas}) must not exceed max_replicas "
+                f"({self.max_replicas})"
+            )
+        return self
+
+    def serve_config(self, batch_size: int) -> dict[str, Any]:
+        return {
+            "min_replicas": self.min_replicas,
+            "initial_replicas": self.min_replicas,
+            "max_replicas": self.max_replicas,
+            "target_ongoing_requests": self.target_ongoing_requests or batch_size,
+            "upscale_delay_s": self.upscale_delay_s,
+            "downscale_delay_s": self.downscale_delay_s,
+        }
+
+
 class ReplicaConfig(StrictModel):
     """Resources and Serve options of a model deployment, applied in its ``build_*``."""
 
@@ -76,6 +114,14 @@ class ReplicaConfig(StrictModel):
         "on a 2-core machine. Also sizes torch's threads unless torch_threads is set.",
     )
     num_gpus: float = Field(default=0.0, ge=0, le=16, description="GPUs per replica.")
+    resources: dict[str, float] = Field(
+        default_factory=dict,
+        description="Custom Ray resources per replica, e.g. {carpool_gpu_node: 0.01} to pin a "
+        "model to a node type of the cluster.",
+    )
+    autoscaling: AutoscalingSettings | None = Field(
+        default=None, description="Autoscale instead of a fixed num_replicas."
+    )
     torch_threads: int | None = Field(
         default=None, ge=1, le=256, description="torch intra-op threads; default ceil(num_cpus)."
     )
@@ -91,12 +137,19 @@ class ReplicaConfig(StrictModel):
         ongoing = self.max_ongoing_requests or max(
             16, 2 * batching.max_batch_size * CONCURRENT_BATCHES
         )
-        return {
+        actor: dict[str, Any] = {"num_cpus": self.num_cpus, "num_gpus": self.num_gpus}
+        if self.resources:
+            actor["resources"] = dict(self.resources)
+        options: dict[str, Any] = {
             "name": name,
-            "num_replicas": self.num_replicas,
             "max_ongoing_requests": ongoing,
-            "ray_actor_options": {"num_cpus": self.num_cpus, "num_gpus": self.num_gpus},
+            "ray_actor_options": actor,
         }
+        if self.autoscaling is not None:
+            options["autoscaling_config"] = self.autoscaling.serve_config(batching.max_batch_size)
+        else:
+            options["num_replicas"] = self.num_replicas
+        return options
 
 
 class ModelSourceConfig(StrictModel):
