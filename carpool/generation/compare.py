@@ -99,10 +99,87 @@ async def run_mode(server: Any, requests: list[dict[str, Any]], concurrency: int
     }
 
 
+async def run_transformers_cb(
+    model: Any, tokenizer: Any, requests: list[dict[str, Any]], concurrency: int, args: Any
+) -> dict:
+    """The same workload on transformers' own continuous batching manager (greedy only).
+
+    Measured to choose the engine; carpool serves with its own (per-request sampling, stop
+    strings, cancellation by slot), see docs/generation.md.
+    """
+    import torch
+    from transformers import ContinuousBatchingConfig, GenerationConfig
+
+    config = ContinuousBatchingConfig(
+        page_size=64,
+        num_blocks=max(64, args.max_num_seqs * (args.max_tokens + 128) // 64 * 2),
+        max_batch_tokens=args.max_batch_tokens,
+        max_requests_per_batch=args.max_num_seqs,
+    )
+    gen = GenerationConfig(do_sample=False, max_new_tokens=args.max_tokens, eos_token_id=-1)
+    queue = list(requests)
+    records: list[dict[str, float]] = []
+    with torch.no_grad():
+        manager = model.init_continuous_batching(
+            generation_config=gen, continuous_batching_config=config
+        )
+        manager.start()
+        try:
+
+            async def client() -> None:
+                loop = asyncio.get_running_loop()
+                while queue:
+                    call = queue.pop(0)
+                    ids = tokenizer(call["prompts"][0])["input_ids"]
+                    done: asyncio.Future = loop.create_future()
+                    start = time.perf_counter()
+                    rid = manager.add_request(ids, max_new_tokens=call["max_tokens"])
+
+                    def on_result(out: Any, done: asyncio.Future = done) -> None:
+                        if out.is_finished() and not done.done():
+                            done.set_result(out)
+
+                    manager.register_result_handler(rid, on_result)
+                    out = await done
+                    end = time.perf_counter()
+                    records.append(
+                        {
+                            "latency_s": end - start,
+                            "tokens": len(out.generated_tokens),
+                            "max_tokens": call["max_tokens"],
+                        }
+                    )
+
+            start = time.perf_counter()
+            await asyncio.gather(*(client() for _ in range(concurrency)))
+            wall = time.perf_counter() - start
+        finally:
+            manager.stop(block=True)
+    tokens = sum(r["tokens"] for r in records)
+    latencies = sorted(r["latency_s"] for r in records)
+    return {
+        "requests": len(records),
+        "output_tokens": tokens,
+        "wall_s": wall,
+        "tokens_per_s": tokens / wall,
+        "latency_p50_s": statistics.median(latencies),
+        "latency_p90_s": latencies[min(len(latencies) - 1, int(0.9 * len(latencies)))],
+        "ttft_p50_s": float("nan"),
+        "engine_steps": 0,
+        "tokens_per_step": float("nan"),
+        "prefill_s": float("nan"),
+        "decode_s": float("nan"),
+    }
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", default="packaged:SmolLM2-135M-Instruct")
-    parser.add_argument("--modes", default="continuous,static")
+    parser.add_argument(
+        "--modes",
+        default="continuous,static",
+        help="any of continuous, static, transformers (transformers' own continuous batching)",
+    )
     parser.add_argument("--requests", type=int, default=16)
     parser.add_argument("--concurrency", type=int, default=16)
     parser.add_argument("--min-tokens", type=int, default=8)
@@ -128,6 +205,12 @@ def main(argv: list[str] | None = None) -> int:
     requests = workload(args.requests, args.min_tokens, args.max_tokens, args.seed)
     results: dict[str, Any] = {}
     for mode in args.modes.split(","):
+        if mode == "transformers":
+            results[mode] = asyncio.run(
+                run_transformers_cb(model, tokenizer, requests, args.concurrency, args)
+            )
+            print(f"{mode}: done", file=sys.stderr)
+            continue
         config = {
             "source": {"model": args.model},
             "mode": mode,

@@ -344,7 +344,10 @@ class GenerationEngine(ABC):
             logger.debug("sink of sequence %s failed", seq.id, exc_info=True)
         if reason is not None:
             for listener in self.listeners:
-                listener.on_finish(seq)
+                try:
+                    listener.on_finish(seq)
+                except Exception:
+                    logger.debug("engine listener failed", exc_info=True)
 
     def _finish_now(self, seq: GenSequence, reason: str, error: str | None = None) -> None:
         """Ends a sequence for a reason other than its own tokens (cancel, timeout, error)."""
