@@ -59,6 +59,9 @@ class RetrieverConfig(StrictModel):
     embed_app: str = Field(default="embed", description="Serve app that hosts the embedder.")
     embed_deployment: str = Field(default="embedder", description="Embedder deployment name.")
     num_cpus: float = Field(default=0.1, gt=0, le=64, description="CPUs for the replica.")
+    resources: dict[str, float] = Field(
+        default_factory=dict, description="Custom Ray resources, to pin it to a node type."
+    )
     max_ongoing_requests: int = Field(default=256, ge=1, le=100_000)
 
     @model_validator(mode="after")
@@ -212,7 +215,7 @@ def build_retrieval_deployment(config: RetrieverConfig, app_name: str) -> Applic
             name="retriever",
             num_replicas=1,
             max_ongoing_requests=config.max_ongoing_requests,
-            ray_actor_options={"num_cpus": config.num_cpus},
+            ray_actor_options={"num_cpus": config.num_cpus, "resources": dict(config.resources)},
         )
         .bind(config.model_dump(), app_name)
     )

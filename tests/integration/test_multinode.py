@@ -1,0 +1,28 @@
+"""Multi-node placement and node loss, on a simulated cluster in a child process."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+SCENARIO = Path(__file__).with_name("multinode_scenario.py")
+
+
+def test_models_land_on_gpu_nodes_and_survive_losing_a_node() -> None:
+    env = {**os.environ, "RAY_AUTH_MODE": "disabled", "RAY_ADDRESS": ""}
+    done = subprocess.run(
+        [sys.executable, str(SCENARIO)],
+        capture_output=True,
+        text=True,
+        timeout=540,
+        env=env,
+        cwd=Path(__file__).resolve().parents[2],
+    )
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    line = next(x for x in done.stdout.splitlines() if x.startswith("CARPOOL_RESULT "))
+    report = json.loads(line.removeprefix("CARPOOL_RESULT "))
+    print(report)
+    assert report["placement_ok"]
