@@ -12,11 +12,19 @@ INSTALLED := $(VENV)/.carpool-installed
 # RAY_AUTH_MODE=token (and share the token) when the cluster is reachable by others.
 export RAY_AUTH_MODE ?= disabled
 
+# The Ray dashboard's Metrics view reads Prometheus (and Grafana, when GRAFANA_URL is set) from
+# these, read when `make serve` starts Ray; `make monitor` starts that Prometheus.
+export RAY_PROMETHEUS_HOST ?= http://127.0.0.1:9090
+ifdef GRAFANA_URL
+export RAY_GRAFANA_HOST ?= $(GRAFANA_URL)
+endif
+SUDO := $(shell [ "$$(id -u)" = 0 ] || echo sudo)
+
 # Torch first: on a machine without CUDA take the CPU wheel (a plain `pip install torch` pulls
 # GBs of CUDA packages). Machines whose pip already finds a local wheel (find-links) use it.
 TORCH_PIP_ARGS ?= $(shell command -v nvidia-smi >/dev/null 2>&1 || $(PYTHON) -m pip config list 2>/dev/null | grep -q find-links || echo --extra-index-url https://download.pytorch.org/whl/cpu)
 
-.PHONY: install models serve test test-unit test-integration test-e2e lint format bench stop clean
+.PHONY: install models prometheus monitor dashboards serve test test-unit test-integration test-e2e lint format bench stop clean
 
 install: $(INSTALLED)
 
@@ -39,7 +47,20 @@ models: install
 serve: models
 	$(VENV)/bin/serve run serve.yaml
 
-test: models
+# Prometheus (Debian's package) for `make monitor` and the dashboard-queries test; where it
+# cannot be installed the test says so and skips.
+prometheus:
+	@command -v prometheus >/dev/null 2>&1 || $(SUDO) apt-get install -y -q prometheus >/dev/null 2>&1 || echo "prometheus not installed: the dashboards' PromQL test will skip"
+
+# A real Prometheus on 127.0.0.1:9090 scraping the running Ray cluster (run beside `make serve`).
+monitor: install prometheus
+	$(PY) -m dashboards.monitor
+
+# Re-render dashboards/json from dashboards/definitions.py (commit the result).
+dashboards: install
+	$(PY) -m dashboards render
+
+test: models prometheus
 	$(PY) -m pytest tests; rc=$$?; if [ $$rc -eq 5 ]; then echo "no tests collected"; rc=0; fi; exit $$rc
 
 test-unit: install

@@ -1,0 +1,1 @@
+"""Grafana dashboards as code: declared in definitions.py, rendered to json/."""
