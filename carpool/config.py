@@ -51,6 +51,13 @@ class BatchingConfig(StrictModel):
         description=f"How a collected batch is cut into forward passes: one of {SPLITTERS}. "
         "'pad_to_longest' is what a plain @serve.batch does.",
     )
+    max_queued_items: int = Field(
+        default=4096,
+        ge=1,
+        le=10_000_000,
+        description="Admission bound: items a replica holds (queued or running) before it "
+        "refuses more with a fast 503 and Retry-After, instead of growing without bound.",
+    )
     # 128: measured on 1 CPU thread, a MiniLM pass costs ~7 ms fixed + ~0.19 ms/token (~40
     # tokens of overhead), but fuller passes also save per-pass work outside the forward and
     # GPU passes have far larger fixed costs. At 128 the mixed-length e2e burst averages >8

@@ -11,13 +11,19 @@ class RequestError(Exception):
     """
 
     def __init__(
-        self, status_code: int, message: str, param: str | None = None, code: str | None = None
+        self,
+        status_code: int,
+        message: str,
+        param: str | None = None,
+        code: str | None = None,
+        retry_after_s: float | None = None,
     ) -> None:
-        super().__init__(status_code, message, param, code)
+        super().__init__(status_code, message, param, code, retry_after_s)
         self.status_code = status_code
         self.message = message
         self.param = param
         self.code = code
+        self.retry_after_s = retry_after_s
 
     def __str__(self) -> str:
         return self.message

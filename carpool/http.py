@@ -6,7 +6,10 @@ OpenAI clients show the message, and the message always says what to change.
 
 from __future__ import annotations
 
+import hmac
 import logging
+import math
+import os
 from collections.abc import Awaitable, Callable
 from typing import Any, TypeVar
 
@@ -33,7 +36,11 @@ _ERROR_TYPES = {
 
 
 def error_response(
-    status: int, message: str, param: str | None = None, code: str | None = None
+    status: int,
+    message: str,
+    param: str | None = None,
+    code: str | None = None,
+    retry_after_s: float | None = None,
 ) -> JSONResponse:
     body = {
         "error": {
@@ -45,7 +52,8 @@ def error_response(
             "code": code,
         }
     }
-    return JSONResponse(status_code=status, content=body)
+    headers = {"Retry-After": str(max(1, math.ceil(retry_after_s)))} if retry_after_s else None
+    return JSONResponse(status_code=status, content=body, headers=headers)
 
 
 def _describe_validation_error(err: dict[str, Any]) -> tuple[str, str | None]:
@@ -118,6 +126,56 @@ class _BodyTooLarge(Exception):
     pass
 
 
+def load_api_keys() -> list[bytes]:
+    """Keys from $CARPOOL_API_KEYS (comma-separated) and/or $CARPOOL_API_KEYS_FILE (one a line).
+
+    None configured means the ingress is open, as it is by default on 127.0.0.1.
+    """
+    keys = [k.strip() for k in os.environ.get("CARPOOL_API_KEYS", "").split(",")]
+    path = os.environ.get("CARPOOL_API_KEYS_FILE")
+    if path:
+        with open(path) as fh:
+            keys += [line.strip() for line in fh]
+    return [k.encode() for k in keys if k and not k.startswith("#")]
+
+
+class ApiKeyAuth:
+    """ASGI middleware: ``Authorization: Bearer <key>`` on every route but /healthz.
+
+    Keys are read once per replica from the environment; comparison is constant-time so the
+    response time leaks nothing about how much of a key was right.
+    """
+
+    OPEN_PATHS = ("/healthz",)
+
+    def __init__(self, app: Any) -> None:
+        self.app = app
+        self.keys: list[bytes] | None = None
+
+    async def __call__(self, scope: dict, receive: Callable, send: Callable) -> None:
+        if self.keys is None:
+            self.keys = load_api_keys()
+        if scope["type"] != "http" or not self.keys or scope["path"].endswith(self.OPEN_PATHS):
+            await self.app(scope, receive, send)
+            return
+        header = dict(scope.get("headers", [])).get(b"authorization", b"")
+        scheme, _, token = header.partition(b" ")
+        # Check every key without stopping early, so timing does not say which one matched.
+        matched = False
+        for key in self.keys:
+            matched |= hmac.compare_digest(token.strip(), key)
+        if scheme.lower() != b"bearer" or not matched:
+            response = error_response(
+                401,
+                "missing or wrong API key; send `Authorization: Bearer <key>` with a key from "
+                "CARPOOL_API_KEYS",
+                code="invalid_api_key",
+            )
+            await response(scope, receive, send)
+            return
+        await self.app(scope, receive, send)
+
+
 def make_api(title: str, description: str, max_body_bytes: int) -> FastAPI:
     """A FastAPI app with carpool's error handling; each pipeline adds its routes."""
     api = FastAPI(title=title, description=description, version="0.1.0")
@@ -145,9 +203,11 @@ def make_api(title: str, description: str, max_body_bytes: int) -> FastAPI:
 
     @api.exception_handler(RequestError)
     async def _request_error(_: Request, exc: RequestError) -> JSONResponse:
-        return error_response(exc.status_code, exc.message, exc.param, exc.code)
+        return error_response(exc.status_code, exc.message, exc.param, exc.code, exc.retry_after_s)
 
     api.add_middleware(BodySizeLimit, max_bytes=max_body_bytes)
+    # Added last, so it runs first: an unauthenticated body is never read.
+    api.add_middleware(ApiKeyAuth)
     return api
 
 

@@ -13,6 +13,7 @@ from typing import Any, Generic, TypeVar
 
 from carpool.batching import BatchLimits, Job, LengthAwareExecutor, make_splitter
 from carpool.config import CONCURRENT_BATCHES, BatchingConfig
+from carpool.errors import RequestError
 
 P = TypeVar("P")
 R = TypeVar("R")
@@ -27,6 +28,7 @@ class BatchedModelServer(Generic[P, R]):
         self, forward: Callable[[list[P]], list[R]], batching: BatchingConfig
     ) -> None:
         self.batching = batching
+        self._queued_items = 0
         self.limits = BatchLimits(batching.max_batch_size, batching.max_batch_tokens)
         self.executor: LengthAwareExecutor[P, R] = LengthAwareExecutor(
             forward, self._splitter(batching), max_step_items=self._step_items(batching)
@@ -62,6 +64,26 @@ class BatchedModelServer(Generic[P, R]):
 
     def make_job(self, payloads: list[P], lengths: list[int]) -> Job[P, R]:
         return Job(payloads, lengths, self.limits)
+
+    async def run_job(self, job: Job[P, R]) -> list[R]:
+        """Admits ``job`` (or refuses it fast with 503) and returns its results."""
+        items = len(job.payloads)
+        queued = self._queued_items
+        if queued and queued + items > self.batching.max_queued_items:
+            stats = self.executor.stats
+            per_item_ms = stats.forward_ms / stats.items if stats.items else 50.0
+            raise RequestError(
+                503,
+                f"this replica already has {queued} items queued (limit "
+                f"{self.batching.max_queued_items}); retry later or send fewer items",
+                code="overloaded",
+                retry_after_s=queued * per_item_ms / 1000,
+            )
+        self._queued_items = queued + items
+        try:
+            return await self._dispatch(job)
+        finally:
+            self._queued_items -= items
 
     async def _dispatch(self, job: Job[P, R]) -> list[R]:
         """Without Serve, jobs go straight to the executor (which still merges concurrent calls)."""

@@ -183,7 +183,7 @@ class EmbeddingServer(BatchedModelServer[list[int], np.ndarray]):
                 ids[i] = self.model.truncate(texts[i])
                 truncated[i] = True
         lengths = [len(s) for s in ids]
-        vectors = await self._dispatch(self.make_job(ids, lengths))
+        vectors = await self.run_job(self.make_job(ids, lengths))
         return EmbedResult(vectors, lengths, truncated, self.model.name)
 
 

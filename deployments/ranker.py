@@ -299,7 +299,7 @@ class RankingServer(BatchedModelServer[Pair, float]):
         encoded = await asyncio.to_thread(self.scorer.encode, query, documents, truncate)
         pairs = [pair for pair, _ in encoded]
         lengths = [len(ids) for ids, _ in pairs]
-        scores = await self._dispatch(self.make_job(pairs, lengths))
+        scores = await self.run_job(self.make_job(pairs, lengths))
         return RankResult(scores, [cut for _, cut in encoded], sum(lengths), self.scorer.name)
 
 
