@@ -13,6 +13,7 @@ import asyncio
 import json
 import os
 import shlex
+import signal
 import sys
 import traceback
 from pathlib import Path
@@ -98,6 +99,11 @@ def build_parser() -> argparse.ArgumentParser:
         help="extra carpool deployment NAME='{knobs}' measured alongside (repeatable)",
     )
     suite.add_argument("--slo-ms", type=float, default=500.0)
+    suite.add_argument(
+        "--phases",
+        default="saturation,search,bursty,trace",
+        help="measured phases to run (comma-separated; the offline limit always runs)",
+    )
     suite.add_argument("--trace", default=DEFAULT_TRACE, help="trace CSV (relative to the repo)")
     suite.add_argument("--seed", type=int, default=0)
     suite.add_argument(
@@ -121,6 +127,7 @@ def build_parser() -> argparse.ArgumentParser:
     where.add_argument("--prefix", default="/embed", help="with --url: the app's route prefix")
     where.add_argument("--kind", choices=("embed", "rank", "generate"), help="with --url")
     where.add_argument("--metrics-url", help="with --url: Ray's metrics endpoint, for histograms")
+    where.add_argument("--app", help="with --url: the Serve app name (labels of its metrics)")
     what = run.add_argument_group("workload")
     what.add_argument(
         "--workload",
@@ -187,6 +194,7 @@ def cmd_suite(args: argparse.Namespace) -> int:
         carpool_batching=args.carpool_batching,
         variants=dict(args.variant),
         slo_ms=args.slo_ms,
+        phases=[p for p in args.phases.split(",") if p],
         trace=args.trace,
         seed=args.seed,
         progress=not args.no_progress,
@@ -337,9 +345,8 @@ def cmd_run(args: argparse.Namespace) -> int:
     try:
         if args.url:
             kind = args.kind or ("rank" if args.workload == "rank-mixed" else "embed")
-            systems = [
-                System(args.prefix.strip("/") or "server", make_target(kind, "server", args.prefix))
-            ]
+            name = args.prefix.strip("/") or "server"
+            systems = [System(name, make_target(kind, name, args.prefix), app=args.app)]
             base_url, metrics_url = args.url, args.metrics_url
         else:
             specs = [SYSTEMS[name] for name in dict.fromkeys(args.system)]
@@ -441,7 +448,14 @@ def cmd_trace_info(args: argparse.Namespace) -> int:
     return 0
 
 
+def _exit_on_sigterm(signum: int, frame: object) -> None:
+    # SIGTERM would otherwise skip the `finally` that shuts the private Ray cluster down,
+    # leaving its agents running.
+    raise SystemExit(128 + signum)
+
+
 def main(argv: list[str] | None = None) -> int:
+    signal.signal(signal.SIGTERM, _exit_on_sigterm)
     args = build_parser().parse_args(argv)
     handlers = {
         "suite": cmd_suite,

@@ -149,8 +149,16 @@ def _plt() -> Any:
     return plt
 
 
+_VARIANT_COLORS = ("#9467bd", "#8c564b", "#e377c2", "#17becf", "#bcbd22", "#7f7f7f")
+
+
 def _color(name: str) -> str | None:
-    return COLORS.get(name) or (COLORS["carpool"] if name.startswith("carpool") else None)
+    """Fixed colours per system; carpool variants get their own, stable per name."""
+    if name in COLORS:
+        return COLORS[name]
+    if name.startswith("carpool-"):
+        return _VARIANT_COLORS[sum(map(ord, name)) % len(_VARIANT_COLORS)]
+    return None
 
 
 def plot_latency_throughput(results: dict[str, Any], path: Path) -> Path:
@@ -297,7 +305,7 @@ def suite_plots(results: dict[str, Any], out_dir: Path) -> list[Path]:
 def runs_plots(runs: list[dict[str, Any]], out_dir: Path) -> list[Path]:
     """Plots for an ad-hoc ``run``: latency CDF per run and batch histograms."""
     out_dir.mkdir(parents=True, exist_ok=True)
-    keyed = {r["label"]: r for r in runs}
+    keyed = {r["label"].replace(" embed-mixed", ""): r for r in runs}
     made = [plot_latency_cdf(keyed, out_dir / "latency_cdf.png", "latency")]
     made.append(plot_batch_histograms(keyed, out_dir / "batch_sizes.png", "items per forward pass"))
     curve = [r for r in runs if r["arrival"]["kind"] == "poisson" and not r.get("aborted")]
@@ -379,8 +387,14 @@ def suite_markdown(results: dict[str, Any], image_prefix: str = "") -> str:
     off = head.get("offline_items_per_s")
     if off:
         rows.append(
-            [f"offline limit (batch {head.get('offline_batch_size')}, sorted)", "-", "-", off]
-            + ["-"] * 11
+            [
+                f"offline limit (batch {head.get('offline_batch_size')}, sorted)",
+                "-",
+                "-",
+                off,
+                results.get("offline", {}).get("best", {}).get("tokens_per_s"),
+            ]
+            + ["-"] * 9
         )
     out.append(table(["system", "max rate req/s", *RUN_HEADERS[1:]], rows))
     out.append("")
@@ -433,7 +447,7 @@ def suite_markdown(results: dict[str, Any], image_prefix: str = "") -> str:
         )
         out.append(
             f"Scale factors: time compressed **{sc['time_factor']:.2f}x** (trace window "
-            f"{sc['time_scale_note'].split('(')[-1].rstrip(')')}), context tokens x "
+            f"{sc['window_s'][0]:.0f}-{sc['window_s'][1]:.0f} s of the hour), context tokens x "
             f"**{sc['token_scale']:g}** (one text per request, clipped to 4-512; mean "
             f"{sc['context_tokens_mean']:.0f}, p50 {sc['context_tokens_p50']:.0f}), generated "
             f"tokens x {sc['generated_token_scale']:g} (unused for embeddings). Rate: "

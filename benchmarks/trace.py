@@ -139,8 +139,7 @@ class ScaledTrace:
             "requests": len(self.arrivals),
             "mean_rate_per_s": len(self.arrivals) / self.scaling.duration_s,
             "time_factor": self.time_factor,
-            "time_scale_note": f"trace time compressed {self.time_factor:.2f}x "
-            f"(trace window {self.window_start_s:.0f}-{self.window_end_s:.0f} s)",
+            "window_s": [self.window_start_s, self.window_end_s],
             "token_scale": self.scaling.token_scale,
             "generated_token_scale": self.scaling.generated_token_scale,
             "context_tokens_mean": statistics.fmean(ctx),
