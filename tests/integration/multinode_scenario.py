@@ -65,6 +65,9 @@ def main() -> int:
         cluster.add_node(num_cpus=2, num_gpus=2, resources={"carpool_gpu_node": 1})
         for _ in range(2)
     ]
+    # Pin the state API (list_actors) to this cluster: other Ray instances may run on the
+    # machine, and it would otherwise pick "the latest" one.
+    os.environ["RAY_ADDRESS"] = cluster.address
     ray.init(address=cluster.address, log_to_driver=False)
     port = free_port()
     serve.start(http_options={"host": "127.0.0.1", "port": port})

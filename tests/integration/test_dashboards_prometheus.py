@@ -50,6 +50,19 @@ def _traffic(base: str, stop: threading.Event) -> None:
             )
 
 
+def _wait_ready(prom: str, process) -> None:
+    deadline = time.monotonic() + 120  # a loaded 2-core machine starts it slowly
+    while time.monotonic() < deadline:
+        assert process.poll() is None, f"prometheus exited: {process.stderr.read()[-2000:]}"
+        try:
+            if httpx.get(f"{prom}/-/ready", timeout=5).status_code == 200:
+                return
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.5)
+    raise TimeoutError("prometheus not ready after 120 s")
+
+
 def _query(prom: str, expr: str) -> list[dict]:
     expr = expr.replace("$application", ".*").replace("$deployment", ".*")
     body = httpx.get(f"{prom}/api/v1/query", params={"query": expr}, timeout=30).json()
@@ -87,6 +100,7 @@ def test_every_panel_query_returns_data(serve_http: str, tiny_models: dict, tmp_
         prometheus_config(static_targets=targets, scrape_interval_s=1), tmp_path, port
     )
     prom = f"http://127.0.0.1:{port}"
+    _wait_ready(prom, prometheus)
     stop = threading.Event()
     sender = threading.Thread(target=_traffic, args=(serve_http, stop), daemon=True)
     sender.start()
