@@ -43,7 +43,8 @@ def ray_session() -> Iterator[None]:
     import ray
 
     # Logical CPUs above the 2 real cores: tiny test replicas need scheduling room, not cores.
-    ray.init(num_cpus=8, include_dashboard=False, log_to_driver=False)
+    # address="local": always a fresh cluster of our own, never one a `ray start` left running.
+    ray.init(address="local", num_cpus=8, include_dashboard=False, log_to_driver=False)
     yield
     from ray import serve
 

@@ -1,0 +1,265 @@
+"""``/rag``: embed -> retrieve -> rerank -> generate, with the answer citing its sources.
+
+Every stage is another app's deployment reached by name: the search app's retriever (one
+shared, persisted index), the rank app's ranker and the generate app's generator. Each stage
+batches on its own, so a slow generation does not hold up other pipelines' embeddings.
+
+Citations are by construction: the model sees the chosen chunks labelled with their document
+ids and is asked to cite them; the response lists exactly those ids (``citations``) and the
+answer text ends with them, so a client can always tell which documents the answer used.
+"""
+
+import json
+import time
+import uuid
+from collections.abc import AsyncIterator
+from typing import Any, Literal
+
+from fastapi.responses import JSONResponse, StreamingResponse
+from pydantic import BaseModel, ConfigDict, Field, field_validator
+from ray import serve
+from ray.serve.deployment import Application
+from ray.serve.handle import DeploymentHandle
+
+from carpool.config import IngressConfig, StrictModel
+from carpool.errors import RequestError
+from carpool.http import MAX_BODY_BYTES, call_backend, make_api
+from carpool.schemas import IngestRequest, IngestResponse, SearchHit, SearchRequest
+from pipelines.search import DocumentRoutes, retrieve_and_rerank
+
+SYSTEM_PROMPT = (
+    "Answer the question using only the sources below. Cite the source ids you used in "
+    "square brackets, like [id]. If the sources do not contain the answer, say so.\n\n"
+    "{sources}"
+)
+
+
+class RagArgs(StrictModel):
+    """Arguments of the RAG pipeline (the ``args:`` of its serve config entry)."""
+
+    search_app: str = Field(default="search", description="App that owns the retriever.")
+    retriever_deployment: str = Field(default="retriever")
+    rank_app: str = Field(default="rank", description="App that hosts the ranker.")
+    rank_deployment: str = Field(default="ranker")
+    rerank_weight: float = Field(
+        default=0.3, ge=0, le=1, description="As in the search pipeline's args."
+    )
+    generate_app: str = Field(default="generate", description="App that hosts the generators.")
+    generator_deployment: str = Field(
+        default="small", description="Generator deployment that answers ('small' or 'large')."
+    )
+    top_k: int = Field(default=8, ge=1, le=200, description="Chunks retrieved before reranking.")
+    context_chunks: int = Field(
+        default=2, ge=1, le=20, description="Best chunks given to the generator as sources."
+    )
+    max_source_chars: int = Field(
+        default=1200, ge=100, le=100_000, description="Characters kept of each source chunk."
+    )
+    default_max_tokens: int = Field(default=128, ge=1, le=4096)
+    max_tokens_limit: int = Field(default=1024, ge=1, le=32_768)
+    system_prompt: str = Field(default=SYSTEM_PROMPT, max_length=8000)
+    ingress: IngressConfig = Field(default_factory=IngressConfig)
+
+
+class RagMessage(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+
+    role: Literal["system", "user", "assistant"]
+    content: str = Field(max_length=100_000)
+
+
+class RagChatRequest(BaseModel):
+    """``POST /rag/v1/chat/completions``: OpenAI's chat shape; the last user turn is the query."""
+
+    model_config = ConfigDict(extra="ignore")
+
+    messages: list[RagMessage] = Field(min_length=1, max_length=64)
+    model: str | None = Field(default=None, max_length=256)
+    max_tokens: int | None = Field(default=None, ge=1, le=32_768)
+    max_completion_tokens: int | None = Field(default=None, ge=1, le=32_768)
+    temperature: float | None = Field(default=0.0, ge=0, le=2)
+    top_p: float | None = Field(default=1.0, gt=0, le=1)
+    stream: bool = False
+    top_k: int | None = Field(default=None, ge=1, le=200)
+
+    @field_validator("messages")
+    @classmethod
+    def _has_question(cls, value: list[RagMessage]) -> list[RagMessage]:
+        users = [m for m in value if m.role == "user"]
+        if not users or not users[-1].content.strip():
+            raise ValueError("messages need a non-empty user message: the question to answer")
+        return value
+
+    def question(self) -> str:
+        return next(m.content for m in reversed(self.messages) if m.role == "user")
+
+
+api = make_api(
+    "carpool rag",
+    "Retrieval-augmented answers: embed, retrieve, rerank, generate; answers cite documents.",
+    MAX_BODY_BYTES,
+)
+
+
+def build_sources(hits: list[SearchHit], max_chars: int) -> str:
+    return "\n\n".join(f"[{h.doc_id}] {h.text[:max_chars]}" for h in hits)
+
+
+def cited_ids(hits: list[SearchHit]) -> list[str]:
+    return list(dict.fromkeys(h.doc_id for h in hits))
+
+
+def citation_suffix(ids: list[str]) -> str:
+    return "\n\nSources: " + ", ".join(f"[{i}]" for i in ids) if ids else ""
+
+
+@serve.ingress(api)
+class RagIngress(DocumentRoutes):
+    """HTTP front of the RAG pipeline; all stages are other apps' deployments."""
+
+    def __init__(self, args: dict[str, Any]) -> None:
+        self.args = RagArgs.model_validate(args)
+        self._handles: dict[str, DeploymentHandle] = {}
+
+    def _handle(self, deployment: str, app: str) -> DeploymentHandle:
+        # By name at first use: apps deploy in any order.
+        key = f"{app}/{deployment}"
+        if key not in self._handles:
+            self._handles[key] = serve.get_deployment_handle(deployment, app_name=app)
+        return self._handles[key]
+
+    @property
+    def retriever(self) -> DeploymentHandle:  # type: ignore[override]
+        return self._handle(self.args.retriever_deployment, self.args.search_app)
+
+    def _generator(self) -> DeploymentHandle:
+        return self._handle(self.args.generator_deployment, self.args.generate_app)
+
+    async def _prepare(self, body: RagChatRequest) -> tuple[list[SearchHit], dict[str, Any]]:
+        question = body.question()
+        search = SearchRequest(
+            query=question[:8000],
+            top_k=body.top_k or self.args.top_k,
+            top_n=self.args.context_chunks,
+        )
+        hits = await retrieve_and_rerank(
+            self.retriever,
+            self._handle(self.args.rank_deployment, self.args.rank_app),
+            search,
+            self.args.rerank_weight,
+        )
+        max_tokens = body.max_completion_tokens or body.max_tokens or self.args.default_max_tokens
+        if max_tokens > self.args.max_tokens_limit:
+            raise RequestError(
+                400,
+                f"max_tokens {max_tokens} is over this pipeline's limit "
+                f"{self.args.max_tokens_limit}; ask for fewer",
+                param="max_tokens",
+            )
+        system = self.args.system_prompt.replace(
+            "{sources}", build_sources(hits, self.args.max_source_chars) or "(no sources found)"
+        )
+        history = [m.model_dump() for m in body.messages if m.role != "system"]
+        call = {
+            "messages": [{"role": "system", "content": system}, *history],
+            "max_tokens": max_tokens,
+            "temperature": body.temperature or 0.0,
+            "top_p": body.top_p or 1.0,
+        }
+        return hits, call
+
+    @api.post("/v1/chat/completions")
+    async def chat_completions(self, body: RagChatRequest) -> Any:
+        hits, call = await self._prepare(body)
+        ids = cited_ids(hits)
+        headers = {"x-carpool-citations": ",".join(ids)}
+        if body.stream:
+            return StreamingResponse(
+                self._stream(call, ids), media_type="text/event-stream", headers=headers
+            )
+        result = await call_backend("generator", self._generator().generate.remote(call))
+        choice = result["choices"][0]
+        response = {
+            "id": f"chatcmpl-{uuid.uuid4().hex}",
+            "object": "chat.completion",
+            "created": int(time.time()),
+            "model": result["model"],
+            "choices": [
+                {
+                    "index": 0,
+                    "message": {
+                        "role": "assistant",
+                        "content": choice["text"] + citation_suffix(ids),
+                    },
+                    "finish_reason": choice["finish_reason"],
+                }
+            ],
+            "usage": {
+                "prompt_tokens": result["prompt_tokens"],
+                "completion_tokens": result["completion_tokens"],
+                "total_tokens": result["prompt_tokens"] + result["completion_tokens"],
+            },
+            "citations": ids,
+            "sources": [h.model_dump() for h in hits],
+        }
+        return JSONResponse(response, headers=headers)
+
+    async def _stream(self, call: dict[str, Any], ids: list[str]) -> AsyncIterator[str]:
+        stream_id = f"chatcmpl-{uuid.uuid4().hex}"
+        created = int(time.time())
+        model = "unknown"
+
+        def chunk(delta: dict[str, Any], finish: str | None = None, **extra: Any) -> str:
+            body = {
+                "id": stream_id,
+                "object": "chat.completion.chunk",
+                "created": created,
+                "model": model,
+                "choices": [{"index": 0, "delta": delta, "finish_reason": finish}],
+                **extra,
+            }
+            return f"data: {json.dumps(body)}\n\n"
+
+        finish = "stop"
+        try:
+            events = self._generator().options(stream=True).stream.remote(call)
+            async for event in events:
+                if event["type"] == "start":
+                    model = event["model"]
+                    yield chunk({"role": "assistant", "content": ""})
+                elif event["type"] == "delta":
+                    if event["text"]:
+                        yield chunk({"content": event["text"]})
+                    if event["finish_reason"] is not None:
+                        finish = event["finish_reason"]
+            yield chunk({"content": citation_suffix(ids)}, finish, citations=ids)
+        except Exception as exc:  # headers are gone: report in-band, as OpenAI streams do
+            message = str(exc.message) if isinstance(exc, RequestError) else "generation failed"
+            yield f"data: {json.dumps({'error': {'message': message}})}\n\n"
+        yield "data: [DONE]\n\n"
+
+    @api.post("/v1/documents", response_model=IngestResponse)
+    async def add_documents(self, body: IngestRequest) -> IngestResponse:
+        return await self.add_docs(body)
+
+    @api.get("/v1/documents")
+    async def list_documents(self) -> dict[str, Any]:
+        return await self.list_docs()
+
+    @api.delete("/v1/documents/{doc_id}")
+    async def delete_document(self, doc_id: str) -> dict[str, Any]:
+        return await self.delete_doc(doc_id)
+
+    @api.get("/healthz")
+    async def healthz(self) -> dict[str, str]:
+        return {"status": "ok"}
+
+
+def build_rag_app(args: dict[str, Any] | None = None) -> Application:
+    """The RAG pipeline: an ingress over the search, rank and generate apps' deployments."""
+    parsed = RagArgs.model_validate(args or {})
+    ingress = serve.deployment(RagIngress).options(**parsed.ingress.serve_options("rag_ingress"))
+    return ingress.bind(parsed.model_dump())
+
+
+app = build_rag_app
