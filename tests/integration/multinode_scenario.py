@@ -116,6 +116,27 @@ def main() -> int:
             },
         },
     ]
+    apps += [
+        {
+            "name": "generate",
+            "route_prefix": "/generate",
+            "import_path": "pipelines.generate:build_generate_app",
+            "args": {
+                "small": {
+                    "source": {"model": models["causal_lm"], "served_model_name": "tiny"},
+                    "replica": on_gpu,
+                    "limits": {"max_seq_len": 512, "default_max_tokens": 8},
+                },
+                "large": None,
+            },
+        },
+        {
+            "name": "rag",
+            "route_prefix": "/rag",
+            "import_path": "pipelines.rag:build_rag_app",
+            "args": {"rerank_weight": 0.0, "default_max_tokens": 6},
+        },
+    ]
     deploy_declaratively(apps, timeout_s=300)
 
     worker_ids = {w.node_id for w in workers}
@@ -149,17 +170,37 @@ def main() -> int:
         return r.status_code == 200 and r.json()["results"][0]["doc_id"] == "quillon"
 
     wait_for(found, 60, "search across nodes")
+
+    def answered() -> bool:
+        r = httpx.post(
+            f"{base}/rag/v1/chat/completions",
+            timeout=120,
+            json={
+                "messages": [{"role": "user", "content": "Quillon bridge orange?"}],
+                "max_tokens": 4,
+            },
+        )
+        return r.status_code == 200 and r.json()["citations"][0] == "quillon"
+
+    wait_for(answered, 120, "rag across nodes")
     victim_id = placed["ServeReplica:search:retriever"]
     victim = next(w for w in workers if w.node_id == victim_id)
     moved_embedder = placed["ServeReplica:embed:embedder"] == victim_id
     started = time.monotonic()
     cluster.remove_node(victim)
+    moving = (
+        "ServeReplica:embed:embedder",
+        "ServeReplica:rank:ranker",
+        "ServeReplica:search:retriever",
+        "ServeReplica:generate:small",
+    )
     wait_for(
-        lambda: replicas().get("ServeReplica:search:retriever") not in (None, victim_id),
+        lambda: all(replicas().get(m) not in (None, victim_id) for m in moving),
         180,
-        "retriever rescheduled",
+        "replicas rescheduled off the lost node",
     )
     wait_for(found, 180, "search answering again after node loss")
+    wait_for(answered, 180, "rag answering again after node loss")
     recovered_s = time.monotonic() - started
     after = replicas()
     assert after["ServeReplica:search:retriever"] in worker_ids - {victim_id}
