@@ -13,7 +13,6 @@ import asyncio
 import json
 import os
 import shlex
-import signal
 import sys
 import traceback
 from pathlib import Path
@@ -448,14 +447,7 @@ def cmd_trace_info(args: argparse.Namespace) -> int:
     return 0
 
 
-def _exit_on_sigterm(signum: int, frame: object) -> None:
-    # SIGTERM would otherwise skip the `finally` that shuts the private Ray cluster down,
-    # leaving its agents running.
-    raise SystemExit(128 + signum)
-
-
 def main(argv: list[str] | None = None) -> int:
-    signal.signal(signal.SIGTERM, _exit_on_sigterm)
     args = build_parser().parse_args(argv)
     handlers = {
         "suite": cmd_suite,

@@ -11,7 +11,9 @@ from __future__ import annotations
 
 import math
 import os
+import signal
 import socket
+import threading
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -186,6 +188,7 @@ class ServeCluster:
             _system_config={"metrics_report_interval_ms": METRICS_INTERVAL_MS},
         )
         self.started = True
+        _exit_on_sigterm_after_ray()
         serve.start(
             proxy_location="HeadOnly",
             http_options={"host": "127.0.0.1", "port": self.port},
@@ -217,6 +220,21 @@ class ServeCluster:
         finally:
             ray.shutdown()
             self.started = False
+
+
+def _exit_on_sigterm_after_ray() -> None:
+    """Makes SIGTERM raise SystemExit so ``shutdown()`` runs in the caller's ``finally``.
+
+    ``ray.init`` installs a SIGTERM handler that only logs and dies, which leaves the
+    cluster's agent processes behind; ours replaces it (main thread only, as Python requires).
+    """
+    if threading.current_thread() is not threading.main_thread():
+        return
+
+    def _raise(signum: int, frame: object) -> None:
+        raise SystemExit(128 + signum)
+
+    signal.signal(signal.SIGTERM, _raise)
 
 
 def logical_cpus_needed(systems: list[SystemSpec], resources: Resources) -> float:

@@ -27,6 +27,8 @@ class OfflinePoint:
     items_per_s: float
     tokens_per_s: float  # real tokens
     padded_tokens_per_s: float
+    passes: int = 0
+    padded_tokens: int = 0
 
 
 @dataclass
@@ -40,6 +42,26 @@ class OfflineResult:
     def best(self) -> OfflinePoint:
         return max((p for p in self.points if p.order == "sorted"), key=lambda p: p.items_per_s)
 
+    def cost_model(self) -> dict[str, float] | None:
+        """Least-squares fit of ``seconds = per_pass * passes + per_token * padded_tokens``.
+
+        The ratio ``per_pass / per_token`` is what carpool's ``pass_overhead_tokens`` knob
+        stands for: the fixed cost of a forward pass in tokens' worth of compute.
+        """
+        pts = [p for p in self.points if p.passes and p.padded_tokens]
+        if len({p.passes for p in pts}) < 2:
+            return None
+        import numpy as np
+
+        a = np.array([[p.passes, p.padded_tokens] for p in pts], dtype=float)
+        y = np.array([p.seconds for p in pts])
+        (per_pass, per_token), *_ = np.linalg.lstsq(a, y, rcond=None)
+        return {
+            "per_pass_ms": float(per_pass * 1000),
+            "per_padded_token_ms": float(per_token * 1000),
+            "pass_overhead_tokens": float(per_pass / per_token) if per_token > 0 else 0.0,
+        }
+
     def to_dict(self) -> dict[str, Any]:
         return {
             "items": self.items,
@@ -47,6 +69,7 @@ class OfflineResult:
             "torch_threads": self.torch_threads,
             "points": [asdict(p) for p in self.points],
             "best": asdict(self.best) if self.points else None,
+            "cost_model": self.cost_model(),
         }
 
 
@@ -108,6 +131,8 @@ def measure_offline_limit(
                     items_per_s=len(ids) / seconds,
                     tokens_per_s=result.real_tokens / seconds,
                     padded_tokens_per_s=padded / seconds,
+                    passes=len(batches),
+                    padded_tokens=padded,
                 )
             )
         return result

@@ -17,6 +17,8 @@ BENCH_DIR = Path(__file__).resolve().parent
 RESULTS_DIR = BENCH_DIR / "results"
 REPORT_DIR = BENCH_DIR / "report"
 README = BENCH_DIR / "README.md"
+# Hand-written reading of the published numbers; the suite appends it to the README.
+ANALYSIS = BENCH_DIR / "analysis.md"
 
 COLORS = {"carpool": "#1f77b4", "naive": "#d62728", "serve-batch": "#ff7f0e", "offline": "#2ca02c"}
 
@@ -152,6 +154,15 @@ def _plt() -> Any:
 _VARIANT_COLORS = ("#9467bd", "#8c564b", "#e377c2", "#17becf", "#bcbd22", "#7f7f7f")
 
 
+def _plain_log_ticks(axis: Any) -> None:
+    """Log axes labelled 50, 100, 200 rather than 5x10^1 (minor labels overlap otherwise)."""
+    from matplotlib.ticker import FuncFormatter, LogLocator, NullFormatter
+
+    axis.set_major_locator(LogLocator(base=10, subs=(1.0, 2.0, 3.0, 5.0)))
+    axis.set_major_formatter(FuncFormatter(lambda v, _: f"{v:g}"))
+    axis.set_minor_formatter(NullFormatter())
+
+
 def _color(name: str) -> str | None:
     """Fixed colours per system; carpool variants get their own, stable per name."""
     if name in COLORS:
@@ -189,6 +200,7 @@ def plot_latency_throughput(results: dict[str, Any], path: Path) -> Path:
     if slo:
         ax.axhline(slo, color="grey", ls="--", lw=1, label=f"SLO p99 {slo:g} ms")
     ax.set_yscale("log")
+    _plain_log_ticks(ax.yaxis)
     ax.set_xlabel("throughput (items/s, Poisson open loop)")
     ax.set_ylabel("latency (ms, log)")
     ax.set_title("Latency vs throughput, mixed-length embeddings (dotted: closed-loop saturation)")
@@ -237,6 +249,7 @@ def plot_latency_cdf(runs: dict[str, dict[str, Any]], path: Path, title: str) ->
         ys = [(i + 1) / run["summary"]["sent"] for i in range(len(lat))]
         ax.plot(lat, ys, label=name, color=_color(name))
     ax.set_xscale("log")
+    _plain_log_ticks(ax.xaxis)
     ax.set_xlabel("latency (ms, log)")
     ax.set_ylabel("share of requests answered")
     ax.set_title(title, fontsize=10)
@@ -480,6 +493,13 @@ def suite_markdown(results: dict[str, Any], image_prefix: str = "") -> str:
                 ],
             )
         )
+        cm = offline.get("cost_model")
+        if cm:
+            out.append(
+                f"\nFitted cost of a forward pass: **{cm['per_pass_ms']:.1f} ms per pass + "
+                f"{cm['per_padded_token_ms']:.3f} ms per padded token**, so one pass costs as much "
+                f"as ~{cm['pass_overhead_tokens']:.0f} tokens (carpool's `pass_overhead_tokens`)."
+            )
         out.append(f"\n![offline limit]({image_prefix}offline_limit.png)\n")
 
     # search log
@@ -592,5 +612,6 @@ within the SLO), `closed` (fixed concurrency), `replay` (the workload's own time
 
 def write_readme(results: dict[str, Any], readme: Path = README) -> Path:
     body = suite_markdown(results, image_prefix="report/")
-    readme.write_text(README_HEAD + body + "\n")
+    analysis = ANALYSIS.read_text() if ANALYSIS.is_file() else ""
+    readme.write_text(README_HEAD + body + "\n" + (f"\n{analysis.strip()}\n" if analysis else ""))
     return readme

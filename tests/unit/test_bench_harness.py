@@ -411,3 +411,20 @@ def test_cli_parses_every_subcommand() -> None:
     assert a.variant == [("small", {"max_batch_tokens": 1024})] and a.port == 8100
     with pytest.raises(SystemExit):
         p.parse_args(["suite", "--variant", "not-json"])
+
+
+def test_offline_cost_model_recovers_known_costs() -> None:
+    from benchmarks.offline import OfflinePoint, OfflineResult
+
+    result = OfflineResult(items=100, real_tokens=5000, torch_threads=1)
+    for passes, padded in ((100, 5000), (25, 5400), (7, 6100), (4, 7000)):
+        seconds = 0.004 * passes + 0.0002 * padded  # 4 ms per pass, 0.2 ms per token
+        result.points.append(
+            OfflinePoint(100 // passes, "sorted", seconds, 100 / seconds, 0, 0, passes, padded)
+        )
+    cm = result.cost_model()
+    assert cm is not None
+    assert cm["per_pass_ms"] == pytest.approx(4.0)
+    assert cm["per_padded_token_ms"] == pytest.approx(0.2)
+    assert cm["pass_overhead_tokens"] == pytest.approx(20.0)
+    assert result.best.passes == 25  # highest items/s among sorted points
