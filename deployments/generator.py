@@ -370,7 +370,7 @@ class GeneratorServer:
 
     def _sequences(self, call: GenerationCall, sink: Any) -> tuple[list[GenSequence], int]:
         prompts, max_tokens = self._plan(call)
-        waiting = self.engine.stats().get("waiting", 0)
+        waiting = self.engine.num_waiting()
         if waiting >= self.batching.max_waiting:
             raise RequestError(
                 503,

@@ -202,7 +202,8 @@ class GenerationEngine(ABC):
             "steps": 0,
             "sequences_finished": 0,
             "prompt_tokens": 0,
-            "output_tokens": 0,
+            "output_tokens": 0,  # of finished sequences
+            "tokens_generated": 0,  # as they are sampled
             "prefill_s": 0.0,
             "decode_s": 0.0,
             "max_running": 0,
@@ -247,6 +248,10 @@ class GenerationEngine(ABC):
     @abstractmethod
     def stats(self) -> dict[str, Any]:
         """Current and cumulative figures of this engine."""
+
+    @abstractmethod
+    def num_waiting(self) -> int:
+        """Sequences submitted but not yet running (cheap; any thread)."""
 
     # --- engine thread ------------------------------------------------------------------
 
@@ -298,6 +303,7 @@ class GenerationEngine(ABC):
             seq.first_token_at = now
         seq.output_ids.append(token)
         seq._pending_ids.append(token)
+        self.totals["tokens_generated"] += 1
         if seq._decoder is None:
             seq._decoder = IncrementalDecoder(self.tok.decode, context=len(seq._context))
         ids = seq._context + seq.output_ids
@@ -397,13 +403,16 @@ class ContinuousEngine(GenerationEngine):
         return {
             "mode": self.mode,
             "running": len(self.decoding) + len(self.prefilling),
-            "waiting": len(self.scheduler.waiting),
+            "waiting": self.num_waiting(),
             "kv_blocks_used": self._blocks_used(),
             "kv_blocks_total": cache.blocks_total,
             "kv_bytes_allocated": cache.allocated_bytes,
             "kv_bytes_max": cache.max_bytes,
             **self.totals,
         }
+
+    def num_waiting(self) -> int:
+        return len(self._inbox) + len(self.scheduler.waiting)
 
     def _blocks_used(self) -> int:
         size = self.runner.cache.block_size
@@ -557,11 +566,14 @@ class StaticEngine(GenerationEngine):
         self.batch: list[GenSequence] = []
         self._batch_len = 0
 
+    def num_waiting(self) -> int:
+        return len(self._inbox) + len(self.waiting)
+
     def stats(self) -> dict[str, Any]:
         return {
             "mode": self.mode,
             "running": len(self.batch),
-            "waiting": len(self.waiting),
+            "waiting": self.num_waiting(),
             **self.totals,
         }
 
@@ -640,7 +652,7 @@ class StaticEngine(GenerationEngine):
                 engine._record(
                     StepRecord(
                         running=len(batch),
-                        waiting=len(engine.waiting) + len(engine._inbox),
+                        waiting=engine.num_waiting(),
                         decode_seqs=0 if first else len(batch),
                         prefill_seqs=len(batch) if first else 0,
                         prefill_tokens=sum(s.num_prompt_tokens for s in batch) if first else 0,
