@@ -211,6 +211,38 @@ def make_api(title: str, description: str, max_body_bytes: int) -> FastAPI:
     return api
 
 
+def _replica_lost(exc: BaseException) -> bool:
+    """True when the call failed because its replica died, not because of what was asked."""
+    from ray import exceptions
+
+    lost = (exceptions.RayActorError, exceptions.ActorUnavailableError)
+    current: BaseException | None = exc
+    while current is not None:
+        if isinstance(current, lost):
+            return True
+        current = current.__cause__ or current.__context__
+    return False
+
+
+async def call_idempotent(stage: str, make_call: Callable[[], Awaitable[T]]) -> T:
+    """Like ``call_backend``, but retried once when the replica died mid-call.
+
+    Only for calls that may run twice with the same effect (embed, rank, retrieve): the retry
+    goes to another (or the restarted) replica, so a replica lost under load loses no request.
+    """
+    try:
+        return await make_call()
+    except Exception as exc:
+        if find_request_error(exc) is None and _replica_lost(exc):
+            logger.warning("%s replica lost mid-call; retrying once elsewhere", stage)
+            return await call_backend(stage, make_call())
+        return await call_backend(stage, _reraise(exc))
+
+
+async def _reraise(exc: BaseException) -> Any:
+    raise exc
+
+
 async def call_backend(stage: str, call: Awaitable[T]) -> T:
     """Awaits a downstream stage; client errors pass through, anything else becomes a 503.
 

@@ -15,7 +15,7 @@ from ray.serve.handle import DeploymentHandle
 
 from carpool.config import IngressConfig, StrictModel
 from carpool.errors import RequestError
-from carpool.http import MAX_BODY_BYTES, call_backend, make_api
+from carpool.http import MAX_BODY_BYTES, call_backend, call_idempotent, make_api
 from carpool.schemas import (
     EmbeddingData,
     EmbeddingRequest,
@@ -101,8 +101,8 @@ class EmbedIngress:
                     f"{self.args.max_chars_per_input}",
                     param=f"input[{i}]",
                 )
-        result: EmbedResult = await call_backend(
-            "embedder", self.embedder.embed.remote(texts, body.truncate)
+        result: EmbedResult = await call_idempotent(
+            "embedder", lambda: self.embedder.embed.remote(texts, body.truncate)
         )
         tokens = sum(result.token_counts)
         response = EmbeddingResponse(

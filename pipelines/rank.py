@@ -10,7 +10,7 @@ from ray.serve.handle import DeploymentHandle
 
 from carpool.config import IngressConfig, StrictModel
 from carpool.errors import RequestError
-from carpool.http import MAX_BODY_BYTES, call_backend, make_api
+from carpool.http import MAX_BODY_BYTES, call_backend, call_idempotent, make_api
 from carpool.schemas import (
     ModelCard,
     ModelList,
@@ -71,8 +71,8 @@ class RankIngress:
                     f"{self.args.max_chars_per_document}",
                     param=where,
                 )
-        result: RankResult = await call_backend(
-            "ranker", self.ranker.rank.remote(body.query, docs, body.truncate)
+        result: RankResult = await call_idempotent(
+            "ranker", lambda: self.ranker.rank.remote(body.query, docs, body.truncate)
         )
         order = sorted(range(len(docs)), key=lambda i: -result.scores[i])
         if body.top_n is not None:

@@ -15,7 +15,7 @@ from ray.serve.handle import DeploymentHandle
 
 from carpool.config import IngressConfig, StrictModel
 from carpool.errors import RequestError
-from carpool.http import MAX_BODY_BYTES, call_backend, make_api
+from carpool.http import MAX_BODY_BYTES, call_backend, call_idempotent, make_api
 from carpool.schemas import (
     IngestRequest,
     IngestResponse,
@@ -83,15 +83,18 @@ async def retrieve_and_rerank(
     rerank_weight: float,
 ) -> list[SearchHit]:
     """The search DAG; the RAG pipeline runs the same stages before generating."""
-    chunks = await call_backend("retriever", retriever.search.remote(body.query, body.top_k))
+    chunks = await call_idempotent(
+        "retriever", lambda: retriever.search.remote(body.query, body.top_k)
+    )
     if not chunks:
         return []
     retrieval = [c["score"] for c in chunks]
     final = retrieval
     rerank: list[float | None] = [None] * len(chunks)
     if ranker is not None and rerank_weight > 0:
-        ranked = await call_backend(
-            "ranker", ranker.rank.remote(body.query, [c["text"] for c in chunks], True)
+        texts = [c["text"] for c in chunks]
+        ranked = await call_idempotent(
+            "ranker", lambda: ranker.rank.remote(body.query, texts, True)
         )
         rerank = [sigmoid(s) for s in ranked.scores]
         # z-scores put both on one scale; the weights then say whose opinion counts more.
