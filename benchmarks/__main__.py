@@ -354,7 +354,11 @@ def cmd_run(args: argparse.Namespace) -> int:
             )
             cluster = ServeCluster(args.port, logical_cpus_needed(specs, resources))
             cluster.start()
-            cluster.deploy(specs, resources, {"carpool": args.carpool_batching})
+            cluster.deploy(
+                specs,
+                resources,
+                {s.name: args.carpool_batching for s in specs if s.name.startswith("carpool")},
+            )
             systems = [
                 System(s.name, make_target(s.kind, s.name, s.prefix), app=f"bench-{s.name}")
                 for s in specs

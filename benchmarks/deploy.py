@@ -97,6 +97,12 @@ def _build_carpool(resources: Resources, overrides: dict[str, Any]) -> Any:
     return build_embed_app(carpool_embed_args(resources, overrides))
 
 
+def _build_carpool_wide(resources: Resources, overrides: dict[str, Any]) -> Any:
+    from benchmarks.experimental import build_wide_embed_app
+
+    return build_wide_embed_app(carpool_embed_args(resources, overrides))
+
+
 def _build_naive(resources: Resources, overrides: dict[str, Any]) -> Any:
     from benchmarks.baselines import build_naive_app
 
@@ -116,6 +122,14 @@ SYSTEMS: dict[str, SystemSpec] = {
         "embed",
         "pipelines.embed: ingress + embedder with length-aware batching (serve.yaml knobs)",
         _build_carpool,
+    ),
+    "carpool-wide": SystemSpec(
+        "carpool-wide",
+        "/embed-wide",
+        "embed",
+        "experimental: carpool with 64 concurrent @serve.batch batches instead of 4 "
+        "(benchmarks/experimental.py)",
+        _build_carpool_wide,
     ),
     "naive": SystemSpec(
         "naive",

@@ -82,6 +82,9 @@ class SuiteConfig(BaseModel):
     probe_max_s: float = Field(default=25.0, gt=0)
     max_probes: int = Field(default=6, ge=2)
     offline_texts: int = Field(default=384, ge=16)
+    model_seconds: float = Field(
+        default=300.0, ge=0, description="Simulated seconds per modelled run (0: no model)."
+    )
     offline_batch_sizes: list[int] = Field(default_factory=lambda: [1, 4, 16, 32, 64, 128])
     offline_arrival_batch_sizes: list[int] = Field(default_factory=lambda: [4, 32])
     bursty_load: float = Field(
@@ -115,6 +118,7 @@ class SuiteConfig(BaseModel):
             offline_texts=96,
             offline_batch_sizes=[1, 16, 64],
             offline_arrival_batch_sizes=[],
+            model_seconds=60.0,
             bursty_s=8.0,
             trace_s=10.0,
             warmup_s=2.0,
@@ -144,7 +148,9 @@ def system_specs(config: SuiteConfig) -> list[SystemSpec]:
 
 
 def overrides_for(config: SuiteConfig) -> dict[str, dict[str, Any]]:
-    out: dict[str, dict[str, Any]] = {"carpool": dict(config.carpool_batching)}
+    out: dict[str, dict[str, Any]] = {
+        name: dict(config.carpool_batching) for name in config.systems if is_carpool(name)
+    }
     for variant, knobs in config.variants.items():
         out[f"carpool-{variant}"] = {**config.carpool_batching, **knobs}
     return out
@@ -263,6 +269,34 @@ async def run_suite_async(config: SuiteConfig, cluster: ServeCluster, out: dict)
         )
         print(log[-1], flush=True)
         limit_rps = best.items_per_s / workload.mean_items()
+
+        # 2b. the same policies in a discrete-event model with the fitted cost (no noise)
+        cm = offline.cost_model()
+        if cm and config.model_seconds > 0:
+            from benchmarks.simulate import CostModel, model_systems
+            from carpool.config import CONCURRENT_BATCHES
+
+            started = time.monotonic()
+            batching = carpool_embed_args(config.resources, config.carpool_batching)["embedder"][
+                "batching"
+            ]
+            out["model"] = {
+                "cost_model": cm,
+                "seconds": config.model_seconds,
+                "concurrent_batches": CONCURRENT_BATCHES,
+                "systems": await asyncio.to_thread(
+                    model_systems,
+                    workload.requests,
+                    CostModel(cm["per_pass_ms"], cm["per_padded_token_ms"]),
+                    batching,
+                    CONCURRENT_BATCHES,
+                    config.slo_ms,
+                    max(1, round(cm["pass_overhead_tokens"])),
+                    config.model_seconds,
+                ),
+            }
+            log.append(f"model: {time.monotonic() - started:.0f} s")
+            print(log[-1], flush=True)
 
         # 3. saturation (closed loop)
         out["saturation"] = {}

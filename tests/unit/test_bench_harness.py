@@ -428,3 +428,37 @@ def test_offline_cost_model_recovers_known_costs() -> None:
     assert cm["per_padded_token_ms"] == pytest.approx(0.2)
     assert cm["pass_overhead_tokens"] == pytest.approx(20.0)
     assert result.best.passes == 25  # highest items/s among sorted points
+
+
+# --- model -------------------------------------------------------------------------------
+
+
+def test_model_collects_batches_like_serve_batch() -> None:
+    from benchmarks.simulate import collect_windows
+
+    jobs = [(0.0, [5]), (0.005, [5]), (0.02, [5]), (0.021, [5]), (0.022, [5])]
+    windows = collect_windows(jobs, 0.01, lambda have, new: len(have) + len(new) <= 2)
+    # A window closes after the wait or as soon as the next request does not fit.
+    assert windows == [(0.01, [0, 1]), (0.022, [2, 3]), (0.032, [4])]
+
+
+def test_model_policies_on_hand_computed_cases() -> None:
+    from benchmarks.simulate import (
+        CarpoolKnobs,
+        CostModel,
+        simulate_carpool,
+        simulate_naive,
+        simulate_serve_batch,
+    )
+
+    cost = CostModel(per_pass_ms=1.0, per_token_ms=0.1)
+    jobs = [(0.0, [10]), (0.0, [10, 20])]
+    # naive: 1 + 0.1*10 = 2 ms, then 1 + 0.1*2*20 = 5 ms.
+    assert simulate_naive(jobs, cost) == pytest.approx([0.002, 0.007])
+    # serve-batch: one window of both (closes at 10 ms), one pass of 3 texts padded to 20.
+    assert simulate_serve_batch(jobs, cost) == pytest.approx([0.017, 0.017])
+    # carpool, no wait, no pass overhead: lengths sorted 10, 10, 20 -> passes [10, 10], [20].
+    knobs = CarpoolKnobs(
+        batch_wait_timeout_s=0.0, pass_overhead_tokens=0, split_policy="greedy", max_batch_tokens=20
+    )
+    assert simulate_carpool(jobs, cost, knobs) == pytest.approx([0.003, 0.006])
