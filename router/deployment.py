@@ -1,0 +1,431 @@
+"""The Router deployment: per request, which model and which lane, and whether to escalate.
+
+``RouterServer`` is plain Python over the pure policies in this package and a dict of
+generator clients (anything with async ``generate(call)`` / ``stream(call)``, as the generator
+deployments' handles have). The Serve shell binds it to the ``small`` and ``large`` generator
+deployments of the generate app, which sends ``model: "auto"`` here. It answers like a
+generator, plus a ``carpool`` record of what was decided.
+
+Lanes with a shared target are priorities inside the router: each model has a bounded number
+of requests in flight, and waiting requests are admitted shortest-predicted-first with aging
+(``ShortestFirstQueue``), so short requests stop waiting behind long ones and long ones never
+starve. A lane with its own ``target`` deployment bypasses that queue.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import math
+import time
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+from typing import Any, Literal, Protocol
+
+from pydantic import Field, model_validator
+
+from carpool.config import StrictModel
+from router.choice import (
+    LARGE,
+    SMALL,
+    CascadePolicy,
+    Decision,
+    EscalationLearner,
+    LargeLoad,
+    SmallOutcome,
+    ThresholdChoice,
+    overflow,
+)
+from router.features import RequestFeatures, extract_features
+from router.lanes import Lane, LanePolicy, ShortestFirstQueue, Tier
+from router.length import LengthPredictor
+
+ROUTER_METRICS: dict[str, tuple[str, str, list[float] | None]] = {
+    "carpool_router_decisions_total": ("counter", "Requests routed, by model and lane.", None),
+    "carpool_router_escalations_total": ("counter", "Cascade escalations to large.", None),
+    "carpool_router_overflows_total": ("counter", "Served on small: large was backed up.", None),
+    "carpool_router_predicted_tokens": (
+        "histogram",
+        "Predicted output tokens.",
+        [1, 4, 8, 16, 32, 64, 128, 256, 512, 1024],
+    ),
+    "carpool_router_prediction_error_log": (
+        "histogram",
+        "|log(1+predicted) - log(1+actual)| per completed request.",
+        [0.1, 0.25, 0.5, 0.75, 1, 1.5, 2, 3],
+    ),
+    "carpool_router_lane_queue_ms": (
+        "histogram",
+        "Time a request waited in its lane before reaching a generator.",
+        [1, 5, 10, 50, 100, 500, 1000, 5000, 20000, 60000],
+    ),
+}
+
+
+class LaneSpec(StrictModel):
+    name: str = Field(min_length=1, max_length=64)
+    max_predicted_tokens: float | None = Field(
+        default=None, gt=0, description="Upper bound of this lane; null for the last lane."
+    )
+    target: str | None = Field(
+        default=None, description="Own generator deployment; null shares the chosen model's."
+    )
+
+
+class RouterConfig(StrictModel):
+    """The router's policies, picked by name."""
+
+    policy: Literal["threshold", "cascade", "learned_cascade"] = Field(
+        default="learned_cascade",
+        description="How `auto` picks: by predicted length/cues, small-first cascade, or a "
+        "cascade that learns which prompts escalate and sends them straight to large.",
+    )
+    max_small_tokens: float = Field(default=128, gt=0, description="threshold: above -> large.")
+    min_mean_logprob: float = Field(
+        default=-1.2, le=0, description="cascade: escalate below this mean token logprob."
+    )
+    max_repetition: float = Field(default=0.3, ge=0, le=1, description="cascade: n-gram repeat.")
+    escalate_on_length: bool = Field(default=True, description="cascade: escalate if cut off.")
+    latency_target_ms: float = Field(
+        default=30_000, gt=0, description="Overflow to small when large's backlog is longer."
+    )
+    lanes: list[LaneSpec] = Field(
+        default_factory=lambda: [
+            LaneSpec(name="short", max_predicted_tokens=64),
+            LaneSpec(name="long"),
+        ]
+    )
+    lanes_enabled: bool = Field(
+        default=True, description="false: one FIFO lane (the benchmarks' baseline)."
+    )
+    max_in_flight: dict[str, int] = Field(
+        default_factory=lambda: {SMALL: 16, LARGE: 16},
+        description="Requests each model has in flight from this router; more wait in lanes.",
+    )
+    aging_tokens_per_s: float = Field(default=50, gt=0, description="Lane aging rate.")
+    default_max_tokens: int = Field(default=256, ge=1, le=131_072)
+    predictor_default_tokens: float = Field(default=48, ge=1)
+    predictor_snapshot: str | None = Field(
+        default=None, description="Where the length predictor's learned state persists."
+    )
+
+    @model_validator(mode="after")
+    def _lanes_ordered(self) -> RouterConfig:
+        LanePolicy([Lane(s.name, s.max_predicted_tokens, s.target) for s in self.lanes])
+        return self
+
+
+class GeneratorClient(Protocol):
+    async def generate(self, call: dict[str, Any]) -> dict[str, Any]: ...
+
+    def stream(self, call: dict[str, Any]) -> AsyncIterator[dict[str, Any]]: ...
+
+
+@dataclass
+class _Gate:
+    """Bounded in-flight requests to one target, admitted by lane priority."""
+
+    limit: int
+    queue: ShortestFirstQueue[asyncio.Future[None]]
+    in_flight: int = 0
+    queued_tokens: float = 0.0
+    tokens_per_s: float = 20.0  # learned from completions; a modest CPU prior
+    waiters: dict[int, float] = field(default_factory=dict)
+
+    async def enter(self, predicted: float, tier: Tier) -> None:
+        self.queued_tokens += predicted
+        if self.in_flight < self.limit and not len(self.queue):
+            self.in_flight += 1
+            return
+        future: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        self.queue.push(future, predicted, time.monotonic(), tier)
+        try:
+            await future
+        except asyncio.CancelledError:
+            if future.done() and not future.cancelled():
+                self.leave(predicted)  # admitted just as the caller left: give the slot back
+            else:
+                self.queued_tokens = max(0.0, self.queued_tokens - predicted)
+            raise
+
+    def leave(self, predicted: float) -> None:
+        self.queued_tokens = max(0.0, self.queued_tokens - predicted)
+        self.in_flight -= 1
+        while len(self.queue):
+            future = self.queue.pop()
+            if not future.done():
+                self.in_flight += 1
+                future.set_result(None)
+                return
+
+
+def prompt_text(call: dict[str, Any]) -> tuple[str, int]:
+    """The text the request asks about, and its chat turns."""
+    if call.get("messages"):
+        users = [m["content"] for m in call["messages"] if m.get("role") == "user"]
+        return (users[-1] if users else "", len(call["messages"]))
+    prompts = call.get("prompts") or [""]
+    return prompts[0], 1
+
+
+class RouterServer:
+    """Plain-Python router; tests pass fake generator clients."""
+
+    def __init__(self, config: RouterConfig | dict, clients: dict[str, GeneratorClient]) -> None:
+        self.config = (
+            config if isinstance(config, RouterConfig) else RouterConfig.model_validate(config)
+        )
+        if SMALL not in clients:
+            raise ValueError("the router needs at least a 'small' generator client")
+        self.clients = clients
+        c = self.config
+        self.predictor = LengthPredictor(
+            default_tokens=c.predictor_default_tokens, snapshot_path=c.predictor_snapshot
+        )
+        lanes = [Lane(s.name, s.max_predicted_tokens, s.target) for s in c.lanes]
+        self.lanes = LanePolicy(lanes if c.lanes_enabled else [Lane("fifo", None)])
+        self.threshold = ThresholdChoice(c.max_small_tokens)
+        self.cascade = CascadePolicy(c.min_mean_logprob, c.max_repetition, c.escalate_on_length)
+        dims = len(extract_features("x", 1, 1).vector())
+        self.learner = EscalationLearner(dims)
+        self.gates = {
+            name: _Gate(c.max_in_flight.get(name, 16), ShortestFirstQueue(c.aging_tokens_per_s))
+            for name in clients
+        }
+        self.listeners: list[Any] = []
+
+    # --- decisions ------------------------------------------------------------------
+
+    def features(self, call: dict[str, Any]) -> RequestFeatures:
+        text, turns = prompt_text(call)
+        # ~4 characters per token: the router holds no tokenizer, and the predictor learns
+        # its scale from real outcomes anyway.
+        return extract_features(
+            text,
+            prompt_tokens=max(1, len(text) // 4),
+            max_tokens=call.get("max_tokens") or self.config.default_max_tokens,
+            chat_turns=turns,
+        )
+
+    def decide(self, features: RequestFeatures, predicted: float, requested: str) -> Decision:
+        if requested in (SMALL, LARGE):
+            if requested not in self.clients:
+                raise ValueError(f"model {requested!r} is not deployed")
+            return Decision(requested, "requested")
+        if LARGE not in self.clients:
+            return Decision(SMALL, "only small is deployed")
+        policy = self.config.policy
+        if policy == "threshold":
+            decision = self.threshold.choose(features, predicted)
+        elif policy == "learned_cascade" and self.learner.skip_small(features):
+            decision = Decision(LARGE, "learned: this kind of prompt escalates")
+        else:
+            decision = self.cascade.choose(features, predicted)
+        gate = self.gates[LARGE]
+        load = LargeLoad(gate.queued_tokens, gate.tokens_per_s)
+        return overflow(decision, load, self.config.latency_target_ms)
+
+    # --- serving --------------------------------------------------------------------
+
+    async def _run(
+        self, model: str, lane: Lane, call: dict[str, Any], predicted: float, tier: Tier
+    ) -> dict[str, Any]:
+        target = lane.target or model
+        gate = self.gates.get(target) or self.gates[model]
+        waited = time.monotonic()
+        await gate.enter(predicted, tier)
+        queue_ms = (time.monotonic() - waited) * 1000
+        started = time.monotonic()
+        try:
+            client = self.clients.get(target) or self.clients[model]
+            result = await client.generate(call)
+        finally:
+            gate.leave(predicted)
+        elapsed = time.monotonic() - started
+        if result.get("completion_tokens") and elapsed > 0:
+            # Exponential average of this target's decode speed, for the overflow estimate.
+            gate.tokens_per_s = (
+                0.8 * gate.tokens_per_s + 0.2 * result["completion_tokens"] / elapsed
+            )
+        result["_queue_ms"] = queue_ms
+        return result
+
+    async def generate(
+        self, call: dict[str, Any], requested: str = "auto", tier: Tier = "interactive"
+    ) -> dict[str, Any]:
+        features = self.features(call)
+        predicted = self.predictor.predict(features)
+        lane = self.lanes.assign(predicted)
+        decision = self.decide(features, predicted, requested)
+        result = await self._run(decision.model, lane, call, predicted, tier)
+        escalated, reason = False, decision.reason
+        if decision.cascade:
+            outcome = SmallOutcome(
+                token_ids=result.get("token_ids") or _word_ids(result),
+                token_logprobs=result.get("token_logprobs") or [],
+                finish_reason=result["choices"][0]["finish_reason"],
+            )
+            escalated, reason = self.cascade.should_escalate(outcome)
+            self.learner.observe(features, escalated)
+            if escalated:
+                result = await self._run(LARGE, lane, call, predicted, tier)
+        actual = int(result.get("completion_tokens") or 0)
+        self.predictor.observe(features, actual)
+        record = {
+            "model": LARGE if escalated else decision.model,
+            "lane": lane.name,
+            "predicted_tokens": round(predicted, 1),
+            "actual_tokens": actual,
+            "escalated": escalated,
+            "overflow": decision.overflow,
+            "reason": reason,
+            "queue_ms": round(result.pop("_queue_ms", 0.0), 1),
+        }
+        for listener in self.listeners:
+            listener.on_decision(record)
+        result["carpool"] = record
+        return result
+
+    async def stream(
+        self, call: dict[str, Any], requested: str = "auto", tier: Tier = "interactive"
+    ) -> AsyncIterator[dict[str, Any]]:
+        """Streams when no cascade is needed; a cascade answers once the small one is judged."""
+        features = self.features(call)
+        predicted = self.predictor.predict(features)
+        lane = self.lanes.assign(predicted)
+        decision = self.decide(features, predicted, requested)
+        if decision.cascade:
+            result = await self.generate(call, requested, tier)
+            yield {
+                "type": "start",
+                "model": result["model"],
+                "prompt_tokens": result["prompt_tokens"],
+                "carpool": result["carpool"],
+            }
+            for choice in result["choices"]:
+                yield {
+                    "type": "delta",
+                    "index": choice["index"],
+                    "text": choice["text"],
+                    "finish_reason": choice["finish_reason"],
+                }
+            yield {
+                "type": "end",
+                "prompt_tokens": result["prompt_tokens"],
+                "completion_tokens": result["completion_tokens"],
+            }
+            return
+        target = lane.target or decision.model
+        gate = self.gates.get(target) or self.gates[decision.model]
+        waited = time.monotonic()
+        await gate.enter(predicted, tier)
+        record = {
+            "model": decision.model,
+            "lane": lane.name,
+            "predicted_tokens": round(predicted, 1),
+            "escalated": False,
+            "overflow": decision.overflow,
+            "reason": decision.reason,
+            "queue_ms": round((time.monotonic() - waited) * 1000, 1),
+        }
+        actual = 0
+        try:
+            client = self.clients.get(target) or self.clients[decision.model]
+            async for event in client.stream(call):
+                if event["type"] == "start":
+                    event = {**event, "carpool": record}
+                if event["type"] == "end":
+                    actual = int(event.get("completion_tokens") or 0)
+                yield event
+        finally:
+            gate.leave(predicted)
+        self.predictor.observe(features, actual)
+        for listener in self.listeners:
+            listener.on_decision({**record, "actual_tokens": actual})
+
+    def stats(self) -> dict[str, Any]:
+        return {
+            "predictor_observations": self.predictor.observations,
+            "learner_observations": self.learner.observations,
+            "in_flight": {k: g.in_flight for k, g in self.gates.items()},
+            "waiting": {k: len(g.queue) for k, g in self.gates.items()},
+        }
+
+
+def _word_ids(result: dict[str, Any]) -> list[int]:
+    """Stand-in token ids (hashed words) for the repetition check when none were returned."""
+    text = result["choices"][0]["text"] if result.get("choices") else ""
+    return [hash(w) % 1_000_003 for w in text.split()]
+
+
+class RayRouterMetrics:
+    """Records every decision in Ray's metrics (inside the replica only)."""
+
+    def __init__(self) -> None:
+        from ray.serve import metrics
+
+        made: dict[str, Any] = {}
+        for name, (kind, description, buckets) in ROUTER_METRICS.items():
+            keys = ("model", "lane")
+            if kind == "counter":
+                made[name] = metrics.Counter(name, description=description, tag_keys=keys)
+            else:
+                made[name] = metrics.Histogram(
+                    name, description=description, boundaries=buckets, tag_keys=keys
+                )
+        self._m = made
+
+    def on_decision(self, record: dict[str, Any]) -> None:
+        tags = {"model": record["model"], "lane": record["lane"]}
+        m = self._m
+        m["carpool_router_decisions_total"].inc(tags=tags)
+        if record.get("escalated"):
+            m["carpool_router_escalations_total"].inc(tags=tags)
+        if record.get("overflow"):
+            m["carpool_router_overflows_total"].inc(tags=tags)
+        m["carpool_router_predicted_tokens"].observe(record["predicted_tokens"], tags=tags)
+        m["carpool_router_lane_queue_ms"].observe(record["queue_ms"], tags=tags)
+        if "actual_tokens" in record:
+            error = abs(
+                math.log1p(record["predicted_tokens"]) - math.log1p(record["actual_tokens"])
+            )
+            m["carpool_router_prediction_error_log"].observe(error, tags=tags)
+
+
+class _HandleClient:
+    """Adapts a generator DeploymentHandle to the GeneratorClient protocol."""
+
+    def __init__(self, handle: Any) -> None:
+        self.handle = handle
+
+    async def generate(self, call: dict[str, Any]) -> dict[str, Any]:
+        return await self.handle.generate.remote(call)
+
+    async def stream(self, call: dict[str, Any]) -> AsyncIterator[dict[str, Any]]:
+        async for event in self.handle.options(stream=True).stream.remote(call):
+            yield event
+
+
+class RouterDeployment(RouterServer):
+    """Serve shell: clients are the generate app's generator handles."""
+
+    def __init__(self, config: dict, small: Any, large: Any = None) -> None:
+        clients: dict[str, GeneratorClient] = {SMALL: _HandleClient(small)}
+        if large is not None:
+            clients[LARGE] = _HandleClient(large)
+        super().__init__(config, clients)
+        self.listeners.append(RayRouterMetrics())
+
+
+def build_router_deployment(config: RouterConfig, small: Any, large: Any = None) -> Any:
+    from ray import serve
+
+    return (
+        serve.deployment(RouterDeployment)
+        .options(
+            name="router",
+            num_replicas=1,
+            max_ongoing_requests=1024,
+            ray_actor_options={"num_cpus": 0.05},
+        )
+        .bind(config.model_dump(), small, large)
+    )
