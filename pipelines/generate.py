@@ -46,6 +46,7 @@ from deployments.generator import (
     GeneratorConfig,
     build_generator_deployment,
 )
+from router.deployment import RouterConfig, build_router_deployment
 
 logger = logging.getLogger(__name__)
 
@@ -64,8 +65,13 @@ class GenerateArgs(StrictModel):
         description="The large generator (default Qwen2.5-Coder-0.5B-Instruct); null "
         "deploys only the small one.",
     )
-    default_model: Literal["small", "large"] = Field(
+    default_model: Literal["small", "large", "auto"] = Field(
         default="small", description="Model used when a request omits `model`."
+    )
+    router: RouterConfig | None = Field(
+        default_factory=RouterConfig,
+        description='The router behind `model: "auto"` (length prediction, lanes, '
+        "small/large choice); null serves explicit models only.",
     )
     ingress: IngressConfig = Field(default_factory=IngressConfig)
 
@@ -85,6 +91,23 @@ def sse(payload: Any) -> str:
     return f"data: {json.dumps(payload, separators=(',', ':'))}\n\n"
 
 
+def decision_headers(record: dict[str, Any] | None) -> dict[str, str]:
+    """``x-carpool-*`` headers saying what the router decided (empty for explicit models)."""
+    if not record:
+        return {}
+    return {f"x-carpool-{k.replace('_', '-')}": str(v) for k, v in record.items() if k != "reason"}
+
+
+def _answered_by(result: dict[str, Any], requested: str) -> str:
+    return result.get("carpool", {}).get("model", requested)
+
+
+def _with_decision(body: dict[str, Any], record: dict[str, Any] | None) -> JSONResponse:
+    if record:
+        body["carpool"] = record
+    return JSONResponse(body, headers=decision_headers(record))
+
+
 def _usage(counts: dict[str, Any]) -> UsageInfo:
     prompt, completion = counts["prompt_tokens"], counts["completion_tokens"]
     return UsageInfo(
@@ -97,7 +120,11 @@ class GenerateIngress:
     """HTTP front of the generate pipeline: validates, picks the model, formats, streams."""
 
     def __init__(
-        self, small: DeploymentHandle, large: DeploymentHandle | None, args: dict[str, Any]
+        self,
+        small: DeploymentHandle,
+        large: DeploymentHandle | None,
+        args: dict[str, Any],
+        router: DeploymentHandle | None = None,
     ) -> None:
         self.args = GenerateArgs.model_validate(args)
         self.handles: dict[str, DeploymentHandle] = {"small": small}
@@ -106,6 +133,9 @@ class GenerateIngress:
             self.handles["large"] = large
             configs["large"] = self.args.large
         self.configs = configs
+        if router is not None:
+            # "auto": the router picks small or large per request (and may escalate).
+            self.handles["auto"] = router
         # Clients may name a tier or the model behind it.
         self.aliases = {tier: tier for tier in self.handles}
         for tier, cfg in configs.items():
@@ -136,11 +166,11 @@ class GenerateIngress:
             )
         result = await call_backend(tier, handle.generate.remote(call))
         response = CompletionResponse(
-            model=model,
+            model=_answered_by(result, model),
             choices=[CompletionChoice(**c) for c in result["choices"]],
             usage=_usage(result),
         )
-        return JSONResponse(response.model_dump())
+        return _with_decision(response.model_dump(), result.get("carpool"))
 
     def _completion_chunks(
         self, model: str, include_usage: bool
@@ -189,7 +219,7 @@ class GenerateIngress:
             )
         result = await call_backend(tier, handle.generate.remote(call))
         response = ChatCompletionResponse(
-            model=model,
+            model=_answered_by(result, model),
             choices=[
                 ChatChoice(
                     index=c["index"],
@@ -200,7 +230,7 @@ class GenerateIngress:
             ],
             usage=_usage(result),
         )
-        return JSONResponse(response.model_dump())
+        return _with_decision(response.model_dump(), result.get("carpool"))
 
     def _chat_chunks(
         self, model: str, n: int, include_usage: bool
@@ -254,10 +284,10 @@ class GenerateIngress:
         except BaseException:
             events.cancel()
             raise
+        headers = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
+        headers.update(decision_headers(first.get("carpool")))
         return StreamingResponse(
-            self._sse(tier, first, events, fmt),
-            media_type="text/event-stream",
-            headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
+            self._sse(tier, first, events, fmt), media_type="text/event-stream", headers=headers
         )
 
     async def _sse(
@@ -325,10 +355,11 @@ def build_generate_app(args: dict[str, Any] | None = None) -> Application:
     parsed = GenerateArgs.model_validate(args or {})
     small = build_generator_deployment(parsed.small, "small")
     large = build_generator_deployment(parsed.large, "large") if parsed.large else None
+    router = build_router_deployment(parsed.router, small, large) if parsed.router else None
     ingress = serve.deployment(GenerateIngress).options(
         **parsed.ingress.serve_options("generate_ingress")
     )
-    return ingress.bind(small, large, parsed.model_dump())
+    return ingress.bind(small, large, parsed.model_dump(), router)
 
 
 app = build_generate_app

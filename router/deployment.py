@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import asyncio
 import math
+import os
 import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
@@ -178,8 +179,9 @@ class RouterServer:
             raise ValueError("the router needs at least a 'small' generator client")
         self.clients = clients
         c = self.config
+        snapshot = os.path.expanduser(c.predictor_snapshot) if c.predictor_snapshot else None
         self.predictor = LengthPredictor(
-            default_tokens=c.predictor_default_tokens, snapshot_path=c.predictor_snapshot
+            default_tokens=c.predictor_default_tokens, snapshot_path=snapshot
         )
         lanes = [Lane(s.name, s.max_predicted_tokens, s.target) for s in c.lanes]
         self.lanes = LanePolicy(lanes if c.lanes_enabled else [Lane("fifo", None)])
@@ -413,7 +415,13 @@ class RouterDeployment(RouterServer):
         if large is not None:
             clients[LARGE] = _HandleClient(large)
         super().__init__(config, clients)
+        self._small = small
         self.listeners.append(RayRouterMetrics())
+
+    async def describe(self) -> dict[str, Any]:
+        """For /v1/models: `auto` accepts what the small model accepts."""
+        small = await self._small.describe.remote()
+        return {**small, "model": f"router ({self.config.policy})"}
 
 
 def build_router_deployment(config: RouterConfig, small: Any, large: Any = None) -> Any:

@@ -17,7 +17,7 @@ def client(default_apps: str) -> openai.OpenAI:
 
 def test_models_lists_small_and_large(client: openai.OpenAI) -> None:
     models = {m.id: m for m in client.models.list().data}
-    assert set(models) == {"small", "large"}
+    assert set(models) == {"small", "large", "auto"}
 
 
 def test_small_chat_answers_greedily(client: openai.OpenAI) -> None:
