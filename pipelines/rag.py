@@ -46,7 +46,9 @@ class RagArgs(StrictModel):
     )
     generate_app: str = Field(default="generate", description="App that hosts the generators.")
     generator_deployment: str = Field(
-        default="small", description="Generator deployment that answers ('small' or 'large')."
+        default="router",
+        description="Who answers: 'router' (model auto: small or large per request, with "
+        "cascades), or a generator deployment, 'small' or 'large'.",
     )
     top_k: int = Field(default=8, ge=1, le=200, description="Chunks retrieved before reranking.")
     context_chunks: int = Field(
@@ -202,6 +204,8 @@ class RagIngress(DocumentRoutes):
             "citations": ids,
             "sources": [h.model_dump() for h in hits],
         }
+        if "carpool" in result:  # the router's decision: model, lane, escalation
+            response["carpool"] = result["carpool"]
         return JSONResponse(response, headers=headers)
 
     async def _stream(self, call: dict[str, Any], ids: list[str]) -> AsyncIterator[str]:
