@@ -233,6 +233,53 @@ GENERATION = Dashboard(
     ],
 )
 
+ROUTER = Dashboard(
+    uid="carpool-router",
+    title="carpool / Router",
+    description="What the router decided for model=auto: model and lane per request, "
+    "escalations, overflow, length-prediction error, time waiting in lanes.",
+    panels=[
+        Panel(
+            "Decisions/s by model and lane",
+            [
+                Target(
+                    "sum by (model, lane) "
+                    f"(rate(ray_carpool_router_decisions_total{{{APP}}}[{RATE}]))",
+                    "{{model}} / {{lane}}",
+                )
+            ],
+            unit="reqps",
+        ),
+        Panel(
+            "Escalations and overflows/s",
+            [
+                Target(
+                    f"sum (rate(ray_carpool_router_escalations_total{{{APP}}}[{RATE}]))",
+                    "escalated to large",
+                ),
+                Target(
+                    f"sum (rate(ray_carpool_router_overflows_total{{{APP}}}[{RATE}]))",
+                    "overflowed to small",
+                ),
+            ],
+            unit="reqps",
+        ),
+        Panel(
+            "Predicted output tokens by lane",
+            quantiles("ray_carpool_router_predicted_tokens", "lane", APP, (0.5, 0.9)),
+        ),
+        Panel(
+            "Length prediction error |log(1+pred) - log(1+actual)|",
+            quantiles("ray_carpool_router_prediction_error_log", "model", APP, (0.5, 0.9)),
+        ),
+        Panel(
+            "Time waiting in lanes",
+            quantiles("ray_carpool_router_lane_queue_ms", "lane", APP),
+            unit="ms",
+        ),
+    ],
+)
+
 CAPACITY = Dashboard(
     uid="carpool-capacity",
     title="carpool / Capacity",
@@ -295,4 +342,4 @@ CAPACITY = Dashboard(
     ],
 )
 
-DASHBOARDS = [OVERVIEW, BATCHING, GENERATION, CAPACITY]
+DASHBOARDS = [OVERVIEW, BATCHING, GENERATION, ROUTER, CAPACITY]

@@ -48,6 +48,11 @@ def _traffic(base: str, stop: threading.Event) -> None:
                 f"{base}/dash-generate/v1/completions",
                 json={"prompt": "the river and the", "max_tokens": 6},
             )
+            # Through the router: the tiny small model runs out of tokens, so it escalates.
+            client.post(
+                f"{base}/dash-generate/v1/completions",
+                json={"model": "auto", "prompt": "explain the river", "max_tokens": 4},
+            )
 
 
 def _wait_ready(prom: str, process) -> None:
@@ -90,7 +95,7 @@ def test_every_panel_query_returns_data(serve_http: str, tiny_models: dict, tmp_
         "batching": {"max_num_seqs": 4, "max_batch_tokens": 128},
     }
     serve.run(
-        build_generate_app({"small": generator, "large": None}),
+        build_generate_app({"small": generator, "large": generator}),
         name="dash-generate",
         route_prefix="/dash-generate",
     )

@@ -8,6 +8,7 @@ from dashboards.__main__ import check
 from dashboards.definitions import DASHBOARDS
 from dashboards.monitor import prometheus_config
 from dashboards.spec import metric_names, render
+from router.deployment import ROUTER_METRICS
 
 # Ray Serve's own series that the panels use (seen on a live 2.60 replica's metrics port).
 RAY_SERVE_SERIES = {
@@ -29,7 +30,7 @@ RAY_SERVE_SERIES = {
 
 def emitted_series() -> set[str]:
     names = set(RAY_SERVE_SERIES)
-    for registry in (BATCH_METRICS, GENERATOR_METRICS):
+    for registry in (BATCH_METRICS, GENERATOR_METRICS, ROUTER_METRICS):
         for name, (kind, _, _) in registry.items():
             base = "ray_" + name
             if kind == "histogram":
