@@ -141,19 +141,21 @@ class ReplicaConfig(StrictModel):
     )
 
     def serve_options(self, name: str, batching: BatchingConfig) -> dict[str, Any]:
-        ongoing = self.max_ongoing_requests or max(
-            16, 2 * batching.max_batch_size * CONCURRENT_BATCHES
-        )
+        ongoing = max(16, 2 * batching.max_batch_size * CONCURRENT_BATCHES)
+        return self.options(name, ongoing, batching.max_batch_size)
+
+    def options(self, name: str, default_ongoing: int, batch_size: int) -> dict[str, Any]:
+        """Serve options; ``batch_size`` is what one replica runs at once (autoscaling target)."""
         actor: dict[str, Any] = {"num_cpus": self.num_cpus, "num_gpus": self.num_gpus}
         if self.resources:
             actor["resources"] = dict(self.resources)
         options: dict[str, Any] = {
             "name": name,
-            "max_ongoing_requests": ongoing,
+            "max_ongoing_requests": self.max_ongoing_requests or default_ongoing,
             "ray_actor_options": actor,
         }
         if self.autoscaling is not None:
-            options["autoscaling_config"] = self.autoscaling.serve_config(batching.max_batch_size)
+            options["autoscaling_config"] = self.autoscaling.serve_config(batch_size)
         else:
             options["num_replicas"] = self.num_replicas
         return options

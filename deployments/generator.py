@@ -150,18 +150,10 @@ class GeneratorConfig(StrictModel):
     batching: GeneratorBatching = Field(default_factory=GeneratorBatching)
 
     def serve_options(self, name: str) -> dict[str, Any]:
-        ongoing = self.replica.max_ongoing_requests or max(
-            64, self.batching.max_num_seqs + self.batching.max_waiting
-        )
-        return {
-            "name": name,
-            "num_replicas": self.replica.num_replicas,
-            "max_ongoing_requests": ongoing,
-            "ray_actor_options": {
-                "num_cpus": self.replica.num_cpus,
-                "num_gpus": self.replica.num_gpus,
-            },
-        }
+        ongoing = max(64, self.batching.max_num_seqs + self.batching.max_waiting)
+        # Autoscaling (scale to zero included) and node resources come from ReplicaConfig;
+        # a generator replica is full at max_num_seqs running sequences.
+        return self.replica.options(name, ongoing, self.batching.max_num_seqs)
 
 
 def check_kv_budget(
@@ -443,9 +435,15 @@ class GeneratorServer:
         )
 
     async def generate(self, call: GenerationCall | dict) -> dict[str, Any]:
-        """Runs a call to the end: choices (text, finish_reason) and token counts."""
+        """Runs a call to the end: choices (text, finish_reason) and token counts.
+
+        Also ``token_ids`` / ``token_logprobs`` of choice 0 (Python callers only, e.g. the
+        router's cascade judging the small model's confidence; the HTTP API leaves them out).
+        """
         call = call if isinstance(call, GenerationCall) else GenerationCall.model_validate(call)
         texts: dict[int, list[str]] = {}
+        token_ids: list[int] = []
+        token_logprobs: list[float] = []
         reasons: dict[int, str] = {}
         completion = prompt_tokens = 0
         async for kind, value in self._events(call):
@@ -453,6 +451,9 @@ class GeneratorServer:
                 prompt_tokens = value
                 continue
             texts.setdefault(value.index, []).append(value.text)
+            if value.index == 0:
+                token_ids.extend(value.token_ids)
+                token_logprobs.extend(value.token_logprobs)
             if value.finish_reason is not None:
                 reasons[value.index] = value.finish_reason
                 completion += value.completion_tokens
@@ -464,6 +465,8 @@ class GeneratorServer:
             ],
             "prompt_tokens": prompt_tokens,
             "completion_tokens": completion,
+            "token_ids": token_ids,
+            "token_logprobs": token_logprobs,
         }
 
     async def stream(self, call: GenerationCall | dict) -> AsyncIterator[dict[str, Any]]:
