@@ -29,7 +29,13 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
-from carpool.generation.sampling import SamplerState, SamplingParams, sample_one, sample_rows
+from carpool.generation.sampling import (
+    SamplerState,
+    SamplingParams,
+    chosen_logprobs,
+    sample_one,
+    sample_rows,
+)
 from carpool.generation.scheduler import Scheduler, SchedulerLimits
 from carpool.generation.text import IncrementalDecoder, StopMatcher
 
@@ -62,6 +68,8 @@ class SeqEvent:
     index: int
     text: str = ""
     token_ids: list[int] = field(default_factory=list)
+    # Log-probability of each of token_ids under the distribution it was drawn from.
+    token_logprobs: list[float] = field(default_factory=list)
     finish_reason: str | None = None
     prompt_tokens: int = 0
     completion_tokens: int = 0
@@ -89,6 +97,7 @@ class GenSequence:
         self.deadline = deadline  # time.monotonic() after which the engine drops it
         self.sampler = SamplerState(params)
         self.output_ids: list[int] = []
+        self.output_logprobs: list[float] = []
         self.num_computed = 0  # tokens whose keys/values are in the KV cache
         self.cancelled = False  # set from any thread; the engine acts at its next step
         self.finish_reason: str | None = None
@@ -99,6 +108,7 @@ class GenSequence:
         self._decoder: IncrementalDecoder | None = None
         self._stopper = StopMatcher(params.stop)
         self._pending_ids: list[int] = []
+        self._pending_logprobs: list[float] = []
 
     @property
     def num_prompt_tokens(self) -> int:
@@ -296,13 +306,16 @@ class GenerationEngine(ABC):
             return "timeout"
         return None
 
-    def _accept(self, seq: GenSequence, token: int) -> bool:
+    def _accept(self, seq: GenSequence, token: int, logprob: float | None = None) -> bool:
         """Appends a sampled token, sends the text it completes; True when the sequence ends."""
         now = time.monotonic()
         if seq.first_token_at is None:
             seq.first_token_at = now
         seq.output_ids.append(token)
         seq._pending_ids.append(token)
+        if logprob is not None:
+            seq.output_logprobs.append(logprob)
+            seq._pending_logprobs.append(logprob)
         self.totals["tokens_generated"] += 1
         if seq._decoder is None:
             seq._decoder = IncrementalDecoder(self.tok.decode, context=len(seq._context))
@@ -338,12 +351,14 @@ class GenerationEngine(ABC):
             index=seq.index,
             text=text,
             token_ids=seq._pending_ids,
+            token_logprobs=seq._pending_logprobs,
             finish_reason=reason,
             prompt_tokens=seq.num_prompt_tokens,
             completion_tokens=len(seq.output_ids),
             error=error,
         )
         seq._pending_ids = []
+        seq._pending_logprobs = []
         try:
             seq.sink(event)
         except Exception:  # a broken sink (closed loop) must not stop the engine
@@ -441,9 +456,10 @@ class ContinuousEngine(GenerationEngine):
                 0, [s.next_chunk(1) for s in seqs], [s.num_computed for s in seqs]
             )
             tokens = sample_rows(logits, [s.sampler for s in seqs])
-            for seq, token in zip(seqs, tokens, strict=True):
+            logprobs = chosen_logprobs(logits, tokens, [s.sampler for s in seqs])
+            for seq, token, logprob in zip(seqs, tokens, logprobs, strict=True):
                 seq.num_computed += 1
-                if self._accept(seq, token):
+                if self._accept(seq, token, logprob):
                     ended.append(seq)
             record.decode_ms = (time.perf_counter() - start) * 1000
             record.decode_seqs = len(seqs)
@@ -463,10 +479,13 @@ class ContinuousEngine(GenerationEngine):
                     done_rows.append(row)
             if done_rows:
                 completed = [seqs[r] for r in done_rows]
-                tokens = sample_rows(logits[done_rows], [s.sampler for s in completed])
-                for seq, token in zip(completed, tokens, strict=True):
+                rows = logits[done_rows]
+                states = [s.sampler for s in completed]
+                tokens = sample_rows(rows, states)
+                logprobs = chosen_logprobs(rows, tokens, states)
+                for seq, token, logprob in zip(completed, tokens, logprobs, strict=True):
                     self._promote(seq)
-                    if self._accept(seq, token):
+                    if self._accept(seq, token, logprob):
                         ended.append(seq)
             record.prefill_ms = (time.perf_counter() - start) * 1000
             record.prefill_seqs = len(plan.prefill)
@@ -620,16 +639,21 @@ class StaticEngine(GenerationEngine):
             mask[row, width - seq.num_prompt_tokens :] = 1
         done = torch.zeros(len(batch), dtype=torch.bool, device=device)
         clock = {"start": time.perf_counter(), "last": time.perf_counter(), "steps": 0}
+        # The sampler hook sees the logits; the stopping hook accepts the tokens a moment later.
+        step_logprobs: list[float] = [0.0] * len(batch)
 
         class RowSampler(LogitsProcessor):
             def __call__(self, input_ids: Any, scores: Any) -> Any:
                 forced = torch.full_like(scores, float("-inf"))
                 greedy = torch.argmax(scores, dim=-1)
+                chosen = []
                 for row, seq in enumerate(batch):
                     token = int(greedy[row])
                     if not done[row] and not seq.params.greedy:
                         token = sample_one(scores[row], seq.sampler)
                     forced[row, token] = 0.0
+                    chosen.append(token)
+                step_logprobs[:] = chosen_logprobs(scores, chosen, [s.sampler for s in batch])
                 return forced
 
         class RowStopper(StoppingCriteria):
@@ -647,7 +671,7 @@ class StaticEngine(GenerationEngine):
                     if reason is not None:
                         engine._finish_now(seq, reason)
                         done[row] = True
-                    elif engine._accept(seq, int(input_ids[row, -1])):
+                    elif engine._accept(seq, int(input_ids[row, -1]), step_logprobs[row]):
                         done[row] = True
                 engine._record(
                     StepRecord(

@@ -75,6 +75,26 @@ def sample_rows(logits: Any, states: list[SamplerState]) -> list[int]:
     return chosen
 
 
+def chosen_logprobs(logits: Any, tokens: list[int], states: list[SamplerState]) -> list[float]:
+    """Log-probability of each row's chosen token under the distribution it was drawn from.
+
+    Greedy rows: log_softmax of the raw logits; sampled rows: after temperature (top-p's
+    renormalisation is left out, so a filtered draw reads slightly lower). One gather and
+    one logsumexp over the batch, so it costs little next to the forward pass.
+    """
+    import torch
+
+    temps = torch.tensor(
+        [1.0 if s.params.greedy else s.params.temperature for s in states],
+        dtype=torch.float32,
+        device=logits.device,
+    )
+    scaled = logits.float() / temps[:, None]
+    index = torch.tensor(tokens, dtype=torch.long, device=logits.device)[:, None]
+    picked = scaled.gather(1, index).squeeze(1) - torch.logsumexp(scaled, dim=-1)
+    return picked.tolist()
+
+
 def sample_one(logits: Any, state: SamplerState) -> int:
     """Temperature, then nucleus (top-p) filtering, then a draw from the sequence's generator."""
     import torch
