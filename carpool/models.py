@@ -177,6 +177,39 @@ def prepare_packaged_models(names: list[str] | None = None) -> dict[str, str]:
     return out
 
 
+@dataclass
+class LoadedModel:
+    """A model on its device, its tokenizer, and the folder it came from (None if injected)."""
+
+    model: Any
+    tokenizer: Any
+    device: str
+    path: str | None
+
+
+def load_pretrained(
+    source: str,
+    auto_class: Any,
+    device: str = "auto",
+    dtype: str = "auto",
+    model: Any = None,
+    tokenizer: Any = None,
+) -> LoadedModel:
+    """Resolves ``source``, loads tokenizer and model with ``auto_class``, puts it on the device.
+
+    Tests inject ``model`` and ``tokenizer`` (tiny, built in the test) and skip the loading.
+    """
+    from transformers import AutoTokenizer
+
+    picked = pick_device(device)
+    path = None
+    if model is None or tokenizer is None:
+        path = resolve_model_source(source)
+        tokenizer = AutoTokenizer.from_pretrained(path)
+        model = auto_class.from_pretrained(path, dtype=pick_dtype(dtype, picked))
+    return LoadedModel(model.to(picked).eval(), tokenizer, picked, path)
+
+
 # --- devices and threads -----------------------------------------------------------
 
 

@@ -22,7 +22,7 @@ from ray.serve.deployment import Application
 
 from carpool.config import BatchingConfig, ModelSourceConfig, ReplicaConfig, StrictModel
 from carpool.errors import RequestError
-from carpool.models import pick_device, pick_dtype, resolve_model_source, size_torch_threads
+from carpool.models import load_pretrained, size_torch_threads
 from carpool.server import BatchedModelServer
 from carpool.serving import ServeBatching, make_collector
 
@@ -72,22 +72,15 @@ class TextEmbedder:
 
     def __init__(self, config: EmbedderConfig, model: Any = None, tokenizer: Any = None) -> None:
         import torch
-        from transformers import AutoModel, AutoTokenizer
+        from transformers import AutoModel
 
         self._torch = torch
         self.name = config.source.served_model_name or "embedder"
-        self.device = pick_device(config.source.device)
-        if model is None or tokenizer is None:
-            path = resolve_model_source(config.source.model)
-            tokenizer = AutoTokenizer.from_pretrained(path)
-            model = AutoModel.from_pretrained(
-                path, dtype=pick_dtype(config.source.dtype, self.device)
-            )
-            st_max = _sentence_transformers_max_length(path)
-        else:
-            st_max = None
-        self.tokenizer = tokenizer
-        self.model = model.to(self.device).eval()
+        src = config.source
+        loaded = load_pretrained(src.model, AutoModel, src.device, src.dtype, model, tokenizer)
+        self.device, self.tokenizer, self.model = loaded.device, loaded.tokenizer, loaded.model
+        tokenizer = loaded.tokenizer
+        st_max = _sentence_transformers_max_length(loaded.path) if loaded.path else None
         limits = [
             config.source.max_length,
             st_max,

@@ -24,7 +24,7 @@ from ray.serve.deployment import Application
 
 from carpool.config import BatchingConfig, ModelSourceConfig, ReplicaConfig, StrictModel
 from carpool.errors import RequestError
-from carpool.models import pick_device, pick_dtype, resolve_model_source, size_torch_threads
+from carpool.models import load_pretrained, size_torch_threads
 from carpool.server import BatchedModelServer
 from carpool.serving import ServeBatching, make_collector
 
@@ -109,21 +109,17 @@ class CrossEncoderScorer:
 
     def __init__(self, config: RankerConfig, model: Any = None, tokenizer: Any = None) -> None:
         import torch
-        from transformers import AutoModelForSequenceClassification, AutoTokenizer
+        from transformers import AutoModelForSequenceClassification
 
         self._torch = torch
         self.name = config.source.served_model_name or "ranker"
-        self.device = pick_device(config.source.device)
-        if model is None or tokenizer is None:
-            path = resolve_model_source(config.source.model)
-            tokenizer = AutoTokenizer.from_pretrained(path)
-            model = AutoModelForSequenceClassification.from_pretrained(
-                path, dtype=pick_dtype(config.source.dtype, self.device)
-            )
-        self.tokenizer = tokenizer
-        self.model = model.to(self.device).eval()
-        self.max_length = _model_limit(config.source, self.model, tokenizer)
-        self.pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
+        src = config.source
+        loaded = load_pretrained(
+            src.model, AutoModelForSequenceClassification, src.device, src.dtype, model, tokenizer
+        )
+        self.device, self.tokenizer, self.model = loaded.device, loaded.tokenizer, loaded.model
+        self.max_length = _model_limit(config.source, self.model, self.tokenizer)
+        self.pad_id = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else 0
 
     def encode(self, query: str, documents: list[str], truncate: bool) -> list[tuple[Pair, bool]]:
         full = self.tokenizer([query] * len(documents), documents, truncation=False)
@@ -183,24 +179,20 @@ class LlmPointwiseScorer:
 
     def __init__(self, config: RankerConfig, model: Any = None, tokenizer: Any = None) -> None:
         import torch
-        from transformers import AutoModelForCausalLM, AutoTokenizer
+        from transformers import AutoModelForCausalLM
 
         self._torch = torch
         self.name = config.source.served_model_name or "ranker"
-        self.device = pick_device(config.source.device)
-        if model is None or tokenizer is None:
-            path = resolve_model_source(config.source.model)
-            tokenizer = AutoTokenizer.from_pretrained(path)
-            model = AutoModelForCausalLM.from_pretrained(
-                path, dtype=pick_dtype(config.source.dtype, self.device)
-            )
-        self.tokenizer = tokenizer
-        self.model = model.to(self.device).eval()
-        self.max_length = _model_limit(config.source, self.model, tokenizer)
+        src = config.source
+        loaded = load_pretrained(
+            src.model, AutoModelForCausalLM, src.device, src.dtype, model, tokenizer
+        )
+        self.device, self.tokenizer, self.model = loaded.device, loaded.tokenizer, loaded.model
+        self.max_length = _model_limit(config.source, self.model, self.tokenizer)
         self.prompt = config.prompt
         self.yes_ids = self._first_token_ids(config.yes_tokens)
         self.no_ids = self._first_token_ids(config.no_tokens)
-        self.pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
+        self.pad_id = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else 0
 
     def _first_token_ids(self, words: list[str]) -> list[int]:
         return sorted({self.tokenizer.encode(w, add_special_tokens=False)[0] for w in words})
