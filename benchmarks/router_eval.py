@@ -1,0 +1,746 @@
+"""Router evaluation: length predictor, lanes vs FIFO, and the small-first cascade.
+
+``python -m benchmarks.router_eval [--part predictor|lanes|cascade] [--refresh]`` runs real
+models in-process (no Ray): ``GeneratorServer`` over the continuous engine, and for lanes
+``RouterServer`` in front of it. It prints tables, merges the figures into
+``benchmarks/results/router_eval.json`` and rewrites ``benchmarks/ROUTER.md`` from them.
+
+- predictor: true output lengths of the small model (greedy, max_tokens 192) on
+  ``data/router_prompts.jsonl``, cached in ``data/router_lengths.json`` (``--refresh``
+  regenerates); ``LengthPredictor`` learns online on a training split, is scored on the rest.
+- lanes: the same Poisson trace of short and long requests through the router twice, one
+  FIFO lane and then shortest-first lanes, at ~80% of a capacity measured first.
+- cascade: small and large answer ``data/router_questions.jsonl`` once each; the
+  ``min_mean_logprob`` threshold is then swept offline over the recorded outcomes.
+
+The metric functions are pure and unit-tested (tests/unit/test_router_eval.py).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import math
+import random
+import re
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+HERE = Path(__file__).resolve().parent
+DATA = HERE / "data"
+PROMPTS_PATH = DATA / "router_prompts.jsonl"
+QUESTIONS_PATH = DATA / "router_questions.jsonl"
+LENGTHS_PATH = DATA / "router_lengths.json"
+RESULTS_PATH = HERE / "results" / "router_eval.json"
+REPORT_PATH = HERE / "ROUTER.md"
+
+SMALL_MODEL = "packaged:SmolLM2-135M-Instruct"
+LARGE_MODEL = "packaged:Qwen2.5-Coder-0.5B-Instruct"
+LENGTH_MAX_TOKENS = 192
+# Upper edges of the length buckets (the last one takes everything longer).
+BUCKETS = (16, 64)
+TRAIN_MAX = 200
+CASCADE_MAX_TOKENS = 48
+CASCADE_SYSTEM = "Answer the question briefly. Give only the answer."
+
+# --- metrics (pure) ----------------------------------------------------------------------
+
+
+def kendall_tau(x: Sequence[float], y: Sequence[float]) -> float:
+    """Kendall's tau-b (ties in either ranking do not count as agreement); O(n^2), n ~ 100."""
+    if len(x) != len(y):
+        raise ValueError(f"{len(x)} vs {len(y)} values")
+    concordant = discordant = ties_x = ties_y = 0
+    n = len(x)
+    for i in range(n):
+        for j in range(i + 1, n):
+            dx, dy = x[i] - x[j], y[i] - y[j]
+            if dx == 0 and dy == 0:
+                continue
+            if dx == 0:
+                ties_x += 1
+            elif dy == 0:
+                ties_y += 1
+            elif (dx > 0) == (dy > 0):
+                concordant += 1
+            else:
+                discordant += 1
+    denom = math.sqrt((concordant + discordant + ties_x) * (concordant + discordant + ties_y))
+    return (concordant - discordant) / denom if denom else 0.0
+
+
+def mae_log(predicted: Sequence[float], actual: Sequence[float]) -> float:
+    """Mean |log(1+predicted) - log(1+actual)|: the predictor's own loss scale."""
+    pairs = list(zip(predicted, actual, strict=True))
+    return sum(abs(math.log1p(p) - math.log1p(a)) for p, a in pairs) / max(len(pairs), 1)
+
+
+def bucket(tokens: float, edges: Sequence[float] = BUCKETS) -> int:
+    for i, edge in enumerate(edges):
+        if tokens <= edge:
+            return i
+    return len(edges)
+
+
+def bucket_accuracy(
+    predicted: Sequence[float], actual: Sequence[float], edges: Sequence[float] = BUCKETS
+) -> float:
+    pairs = list(zip(predicted, actual, strict=True))
+    hits = sum(bucket(p, edges) == bucket(a, edges) for p, a in pairs)
+    return hits / max(len(pairs), 1)
+
+
+def percentile(values: Sequence[float], q: float) -> float:
+    """Linear-interpolated percentile (q in [0, 100]); NaN for no values."""
+    if not values:
+        return float("nan")
+    ordered = sorted(values)
+    k = (len(ordered) - 1) * q / 100
+    lo, hi = math.floor(k), math.ceil(k)
+    return ordered[lo] + (ordered[hi] - ordered[lo]) * (k - lo)
+
+
+_NUMBER = re.compile(r"-?\d+(?:,\d{3})*(?:\.\d+)?")
+_WORD = re.compile(r"[a-z]+")
+
+
+def _numbers(text: str) -> list[float]:
+    return [float(m.replace(",", "")) for m in _NUMBER.findall(text)]
+
+
+def normalize(text: str) -> str:
+    return " ".join(_WORD.findall(text.lower()))
+
+
+def check_answer(text: str, answer: str, rule: str, question: str = "") -> bool:
+    """Whether a free-text answer is right.
+
+    - ``number``: the first number in the text that is not just repeated from the question
+      equals the answer (so "12 + 7 = 19" counts, and so does "19").
+    - ``contains``: the normalized answer (any of ``|``-separated alternatives) occurs as
+      whole words in the normalized text.
+    - ``yesno``: the first "yes" or "no" word in the text is the answer.
+    """
+    if rule == "number":
+        target = float(answer)
+        asked = _numbers(question)
+        for value in _numbers(text):
+            if value in asked and value != target:
+                continue
+            return abs(value - target) <= 1e-6 * max(1.0, abs(target))
+        return False
+    if rule == "contains":
+        padded = f" {normalize(text)} "
+        return any(f" {normalize(alt)} " in padded for alt in answer.split("|"))
+    if rule == "yesno":
+        for word in _WORD.findall(text.lower()):
+            if word in ("yes", "no"):
+                return word == answer.lower()
+        return False
+    raise ValueError(f"unknown checker rule {rule!r}")
+
+
+@dataclass(frozen=True)
+class QuestionOutcome:
+    """One question answered by both models (what the offline sweep needs)."""
+
+    small_token_ids: tuple[int, ...]
+    small_logprobs: tuple[float, ...]
+    small_finish: str
+    small_correct: bool
+    large_correct: bool
+    large_tokens: int
+
+
+def sweep(
+    outcomes: Sequence[QuestionOutcome],
+    thresholds: Sequence[float],
+    max_repetition: float = 0.3,
+    escalate_on_length: bool = True,
+) -> list[dict[str, float]]:
+    """Per threshold: accuracy, share answered by small alone, large tokens and their cut.
+
+    The cascade's own ``should_escalate`` decides, so the figures are the router's.
+    """
+    from router.choice import CascadePolicy, SmallOutcome
+
+    all_large_tokens = sum(o.large_tokens for o in outcomes) or 1
+    rows = []
+    for threshold in thresholds:
+        policy = CascadePolicy(threshold, max_repetition, escalate_on_length)
+        correct = kept = large_tokens = 0
+        for o in outcomes:
+            escalate, _ = policy.should_escalate(
+                SmallOutcome(o.small_token_ids, o.small_logprobs, o.small_finish)
+            )
+            if escalate:
+                correct += o.large_correct
+                large_tokens += o.large_tokens
+            else:
+                correct += o.small_correct
+                kept += 1
+        n = max(len(outcomes), 1)
+        rows.append(
+            {
+                "threshold": round(threshold, 3),
+                "accuracy": correct / n,
+                "small_share": kept / n,
+                "large_tokens": large_tokens,
+                "large_token_cut": 1 - large_tokens / all_large_tokens,
+            }
+        )
+    return rows
+
+
+def recommend(
+    rows: Sequence[dict[str, float]],
+    large_accuracy: float,
+    accuracy_ratio: float = 0.95,
+    min_small_share: float = 0.5,
+) -> dict[str, Any]:
+    """The threshold that keeps most on small while accuracy stays >= ratio x all-large.
+
+    When none reaches the accuracy ratio, the most accurate threshold (ties: most on small),
+    flagged ``meets_accuracy: false``.
+    """
+    floor = accuracy_ratio * large_accuracy
+    ok = [r for r in rows if r["accuracy"] >= floor - 1e-12]
+    if ok:
+        best = max(ok, key=lambda r: (r["small_share"], r["accuracy"]))
+    else:
+        best = max(rows, key=lambda r: (r["accuracy"], r["small_share"]))
+    return {
+        **best,
+        "meets_accuracy": bool(ok),
+        "meets_small_share": best["small_share"] >= min_small_share,
+        "accuracy_vs_large": best["accuracy"] / large_accuracy if large_accuracy else float("nan"),
+    }
+
+
+# --- data --------------------------------------------------------------------------------
+
+
+def load_jsonl(path: Path) -> list[dict[str, Any]]:
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+
+
+def chat(prompt: str, system: str | None = None) -> list[dict[str, str]]:
+    messages = [{"role": "system", "content": system}] if system else []
+    return [*messages, {"role": "user", "content": prompt}]
+
+
+def make_server(model: str, max_num_seqs: int, max_batch_tokens: int = 512) -> Any:
+    from deployments.generator import GeneratorServer
+
+    return GeneratorServer(
+        {
+            "source": {"model": model},
+            # The whole machine is ours during the run (2 cores).
+            "replica": {"num_cpus": 2},
+            "limits": {"max_seq_len": 512, "max_tokens_limit": 256},
+            "batching": {
+                "max_num_seqs": max_num_seqs,
+                "max_batch_tokens": max_batch_tokens,
+                "max_waiting": 4096,
+                "batch_wait_timeout_s": 0.005,
+            },
+        }
+    )
+
+
+async def _run_all(server: Any, calls: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    return list(await asyncio.gather(*(server.generate(c) for c in calls)))
+
+
+def true_lengths(refresh: bool) -> dict[str, int]:
+    """Small model's greedy output tokens per prompt id (cached: a run takes minutes)."""
+    prompts = load_jsonl(PROMPTS_PATH)
+    if LENGTHS_PATH.exists() and not refresh:
+        cached = json.loads(LENGTHS_PATH.read_text())
+        if cached.get("model") == SMALL_MODEL and len(cached["lengths"]) == len(prompts):
+            return cached["lengths"]
+    server = make_server(SMALL_MODEL, max_num_seqs=32, max_batch_tokens=1024)
+    try:
+        start = time.perf_counter()
+        calls = [
+            {"messages": chat(p["prompt"]), "max_tokens": LENGTH_MAX_TOKENS, "temperature": 0.0}
+            for p in prompts
+        ]
+        results = asyncio.run(_run_all(server, calls))
+        elapsed = time.perf_counter() - start
+    finally:
+        server.close()
+    lengths = {str(p["id"]): r["completion_tokens"] for p, r in zip(prompts, results, strict=True)}
+    LENGTHS_PATH.write_text(
+        json.dumps(
+            {
+                "model": SMALL_MODEL,
+                "max_tokens": LENGTH_MAX_TOKENS,
+                "greedy": True,
+                "generated_in_s": round(elapsed, 1),
+                "lengths": lengths,
+            },
+            indent=0,
+        )
+        + "\n"
+    )
+    print(f"generated {len(prompts)} true lengths in {elapsed:.0f} s -> {LENGTHS_PATH}")
+    return lengths
+
+
+def _features(router: Any, prompt: str, max_tokens: int) -> Any:
+    # The router's own feature path (prompt-token estimate, last user turn, cues).
+    return router.features({"messages": chat(prompt), "max_tokens": max_tokens})
+
+
+def _bare_router(config: dict[str, Any] | None = None) -> Any:
+    from router.deployment import RouterServer
+
+    return RouterServer(config or {"policy": "threshold"}, {"small": _NoClient()})
+
+
+class _NoClient:
+    async def generate(self, call: dict[str, Any]) -> dict[str, Any]:
+        raise RuntimeError("the predictor part runs no model through the router")
+
+    async def stream(self, call: dict[str, Any]) -> Any:
+        raise RuntimeError("the predictor part runs no model through the router")
+        yield {}
+
+
+# --- parts -------------------------------------------------------------------------------
+
+
+def part_predictor(refresh: bool, seed: int = 0) -> dict[str, Any]:
+    prompts = load_jsonl(PROMPTS_PATH)
+    lengths = true_lengths(refresh)
+    rng = random.Random(seed)
+    order = prompts[:]
+    rng.shuffle(order)
+    n_train = min(TRAIN_MAX, int(len(order) * 0.6))
+    train, test = order[:n_train], order[n_train:]
+    router = _bare_router()
+    prior_preds = [
+        router.predictor.predict(_features(router, p["prompt"], LENGTH_MAX_TOKENS)) for p in test
+    ]
+    for p in train:  # online, one completion at a time, as the router learns in service
+        router.predictor.observe(
+            _features(router, p["prompt"], LENGTH_MAX_TOKENS), lengths[str(p["id"])]
+        )
+    preds = [
+        router.predictor.predict(_features(router, p["prompt"], LENGTH_MAX_TOKENS)) for p in test
+    ]
+    actual = [float(lengths[str(p["id"])]) for p in test]
+    per_kind: dict[str, list[float]] = {}
+    for p, a in zip(test, actual, strict=True):
+        per_kind.setdefault(p["kind"], []).append(a)
+    result = {
+        "prompts": len(prompts),
+        "train": len(train),
+        "test": len(test),
+        "buckets": f"<= {BUCKETS[0]}, <= {BUCKETS[1]}, > {BUCKETS[1]} tokens",
+        "kendall_tau": kendall_tau(preds, actual),
+        "mae_log": mae_log(preds, actual),
+        "bucket_accuracy": bucket_accuracy(preds, actual),
+        "prior_only": {
+            "kendall_tau": kendall_tau(prior_preds, actual),
+            "mae_log": mae_log(prior_preds, actual),
+            "bucket_accuracy": bucket_accuracy(prior_preds, actual),
+        },
+        "true_length_by_kind": {
+            k: {"n": len(v), "median": percentile(v, 50), "max": max(v)}
+            for k, v in sorted(per_kind.items())
+        },
+        "bucket_shares": [
+            sum(bucket(a) == b for a in actual) / len(actual) for b in range(len(BUCKETS) + 1)
+        ],
+    }
+    print("\n== predictor (held-out) ==")
+    print(f"{'':<14}{'tau':>8}{'MAE log':>10}{'bucket acc':>12}")
+    prior = result["prior_only"]
+    print(
+        f"{'prior only':<14}{prior['kendall_tau']:>8.3f}{prior['mae_log']:>10.3f}"
+        f"{prior['bucket_accuracy']:>12.3f}"
+    )
+    print(
+        f"{f'after {n_train}':<14}{result['kendall_tau']:>8.3f}{result['mae_log']:>10.3f}"
+        f"{result['bucket_accuracy']:>12.3f}"
+    )
+    return result
+
+
+@dataclass
+class _Request:
+    at: float
+    kind: str  # "short" | "long"
+    prompt: str
+    max_tokens: int
+
+
+def _lane_trace(rate: float, count: int, seed: int) -> list[_Request]:
+    """Poisson arrivals: 70% short (max_tokens 8-16), 30% long (128-192, long-answer prompts)."""
+    prompts = load_jsonl(PROMPTS_PATH)
+    long_kinds = {"explain", "detail", "story", "code", "list"}
+    longs = [p["prompt"] for p in prompts if p["kind"] in long_kinds]
+    shorts = [p["prompt"] for p in prompts if p["kind"] not in long_kinds]
+    rng = random.Random(seed)
+    t = 0.0
+    out = []
+    for _ in range(count):
+        t += rng.expovariate(rate)
+        if rng.random() < 0.7:
+            out.append(_Request(t, "short", rng.choice(shorts), rng.randint(8, 16)))
+        else:
+            out.append(_Request(t, "long", rng.choice(longs), rng.randint(128, 192)))
+    return out
+
+
+async def _drive(router: Any, trace: list[_Request]) -> list[dict[str, Any]]:
+    start = time.perf_counter()
+
+    async def one(req: _Request) -> dict[str, Any]:
+        delay = req.at - (time.perf_counter() - start)
+        if delay > 0:
+            await asyncio.sleep(delay)
+        sent = time.perf_counter()
+        call = {"messages": chat(req.prompt), "max_tokens": req.max_tokens, "temperature": 0.0}
+        result = await router.generate(call, requested="small")
+        done = time.perf_counter()
+        return {
+            "kind": req.kind,
+            "latency_s": done - sent,
+            "done_at": done - start,
+            "tokens": result["completion_tokens"],
+            "lane": result["carpool"]["lane"],
+            "predicted": result["carpool"]["predicted_tokens"],
+        }
+
+    return list(await asyncio.gather(*(one(r) for r in trace)))
+
+
+def _warm_predictor(router: Any) -> None:
+    """Trains the router's predictor on the cached true lengths, as a deployed one would be."""
+    lengths = json.loads(LENGTHS_PATH.read_text())["lengths"] if LENGTHS_PATH.exists() else {}
+    for p in load_jsonl(PROMPTS_PATH)[:TRAIN_MAX]:
+        if str(p["id"]) in lengths:
+            feats = _features(router, p["prompt"], LENGTH_MAX_TOKENS)
+            router.predictor.observe(feats, lengths[str(p["id"])])
+
+
+def part_lanes(count: int = 120, load: float = 0.8, seed: int = 1) -> dict[str, Any]:
+    from router.deployment import RouterServer
+
+    max_num_seqs, in_flight = 8, 6
+    server = make_server(SMALL_MODEL, max_num_seqs=max_num_seqs)
+    try:
+        # Capacity: a closed burst of the same mix, all at once, through a FIFO router.
+        probe = _lane_trace(rate=1e6, count=30, seed=seed + 100)
+        router = RouterServer(
+            {"policy": "threshold", "lanes_enabled": False, "max_in_flight": {"small": in_flight}},
+            {"small": server},
+        )
+        _warm_predictor(router)
+        start = time.perf_counter()
+        probe_out = asyncio.run(_drive(router, probe))
+        capacity = len(probe_out) / (time.perf_counter() - start)
+        rate = load * capacity
+        print(f"\ncapacity {capacity:.2f} req/s on the mix; driving {rate:.2f} req/s ({load:.0%})")
+        trace = _lane_trace(rate, count, seed)
+        runs: dict[str, Any] = {}
+        for name, enabled in (("fifo", False), ("lanes", True)):
+            router = RouterServer(
+                {
+                    "policy": "threshold",
+                    "lanes_enabled": enabled,
+                    "max_in_flight": {"small": in_flight},
+                },
+                {"small": server},
+            )
+            _warm_predictor(router)
+            t0 = time.perf_counter()
+            out = asyncio.run(_drive(router, trace))
+            makespan = time.perf_counter() - t0
+            summary: dict[str, Any] = {
+                "makespan_s": makespan,
+                "throughput_tok_s": sum(o["tokens"] for o in out) / makespan,
+                "throughput_req_s": len(out) / makespan,
+            }
+            for kind in ("short", "long"):
+                lat = [o["latency_s"] for o in out if o["kind"] == kind]
+                summary[kind] = {
+                    "n": len(lat),
+                    "p50_s": percentile(lat, 50),
+                    "p99_s": percentile(lat, 99),
+                }
+            summary["lane_of_short"] = {
+                lane: sum(1 for o in out if o["kind"] == "short" and o["lane"] == lane)
+                for lane in {o["lane"] for o in out}
+            }
+            runs[name] = summary
+    finally:
+        server.close()
+    fifo, lanes = runs["fifo"], runs["lanes"]
+    result = {
+        "requests": count,
+        "load": load,
+        "capacity_req_s": capacity,
+        "rate_req_s": rate,
+        "max_num_seqs": max_num_seqs,
+        "max_in_flight": in_flight,
+        "fifo": fifo,
+        "lanes": lanes,
+        "short_p50_speedup": fifo["short"]["p50_s"] / lanes["short"]["p50_s"],
+        "throughput_ratio": lanes["throughput_tok_s"] / fifo["throughput_tok_s"],
+    }
+    print("\n== lanes vs FIFO ==")
+    print(f"{'':<7}{'short p50':>10}{'short p99':>10}{'long p50':>10}{'long p99':>10}{'tok/s':>8}")
+    for name in ("fifo", "lanes"):
+        r = runs[name]
+        print(
+            f"{name:<7}{r['short']['p50_s']:>10.2f}{r['short']['p99_s']:>10.2f}"
+            f"{r['long']['p50_s']:>10.2f}{r['long']['p99_s']:>10.2f}{r['throughput_tok_s']:>8.1f}"
+        )
+    print(
+        f"short p50 {result['short_p50_speedup']:.2f}x lower with lanes; throughput ratio "
+        f"{result['throughput_ratio']:.2f}"
+    )
+    return result
+
+
+def _answer_all(model: str, questions: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    server = make_server(model, max_num_seqs=16)
+    try:
+        calls = [
+            {
+                "messages": chat(q["question"], CASCADE_SYSTEM),
+                "max_tokens": CASCADE_MAX_TOKENS,
+                "temperature": 0.0,
+            }
+            for q in questions
+        ]
+        start = time.perf_counter()
+        results = asyncio.run(_run_all(server, calls))
+        print(f"{model}: {len(questions)} answers in {time.perf_counter() - start:.0f} s")
+        return results
+    finally:
+        server.close()
+
+
+def part_cascade() -> dict[str, Any]:
+    questions = load_jsonl(QUESTIONS_PATH)
+    small = _answer_all(SMALL_MODEL, questions)
+    large = _answer_all(LARGE_MODEL, questions)
+    outcomes, records = [], []
+    for q, s, g in zip(questions, small, large, strict=True):
+        s_text, g_text = s["choices"][0]["text"], g["choices"][0]["text"]
+        o = QuestionOutcome(
+            small_token_ids=tuple(s["token_ids"]),
+            small_logprobs=tuple(s["token_logprobs"]),
+            small_finish=s["choices"][0]["finish_reason"],
+            small_correct=check_answer(s_text, q["answer"], q["rule"], q["question"]),
+            large_correct=check_answer(g_text, q["answer"], q["rule"], q["question"]),
+            large_tokens=int(g["completion_tokens"]),
+        )
+        outcomes.append(o)
+        lps = o.small_logprobs
+        records.append(
+            {
+                "id": q["id"],
+                "kind": q["kind"],
+                "small": s_text.strip()[:120],
+                "large": g_text.strip()[:120],
+                "small_correct": o.small_correct,
+                "large_correct": o.large_correct,
+                "small_mean_logprob": sum(lps) / len(lps) if lps else None,
+                "small_finish": o.small_finish,
+            }
+        )
+    n = len(outcomes)
+    small_acc = sum(o.small_correct for o in outcomes) / n
+    large_acc = sum(o.large_correct for o in outcomes) / n
+    thresholds = [round(-0.05 * i, 2) for i in range(0, 61)]  # 0 .. -3
+    rows = sweep(outcomes, thresholds)
+    best = recommend(rows, large_acc)
+    result = {
+        "questions": n,
+        "max_tokens": CASCADE_MAX_TOKENS,
+        "all_small_accuracy": small_acc,
+        "all_large_accuracy": large_acc,
+        "all_large_tokens": sum(o.large_tokens for o in outcomes),
+        "sweep": rows,
+        "recommended": best,
+        "answers": records,
+    }
+    print("\n== cascade (offline sweep of min_mean_logprob) ==")
+    print(f"all-small accuracy {small_acc:.3f}, all-large accuracy {large_acc:.3f}")
+    print(f"{'threshold':>10}{'accuracy':>10}{'on small':>10}{'large tok cut':>15}")
+    for r in rows[::4]:
+        print(
+            f"{r['threshold']:>10.2f}{r['accuracy']:>10.3f}{r['small_share']:>10.2f}"
+            f"{r['large_token_cut']:>15.2f}"
+        )
+    print(
+        f"recommended min_mean_logprob {best['threshold']}: accuracy {best['accuracy']:.3f} "
+        f"({best['accuracy_vs_large']:.0%} of all-large), {best['small_share']:.0%} on small, "
+        f"large tokens cut {best['large_token_cut']:.0%}"
+    )
+    return result
+
+
+# --- report ------------------------------------------------------------------------------
+
+
+# Written after looking at the figures; the report keeps it under "Notes".
+NOTES = """\
+"""
+
+
+def _verdict(ok: bool) -> str:
+    return "met" if ok else "**missed**"
+
+
+def render(results: dict[str, Any]) -> str:
+    """ROUTER.md from the results JSON (each part's section only when it has been run)."""
+    out = [
+        "# Router evaluation",
+        "",
+        "Generated by `python -m benchmarks.router_eval` (`--part predictor|lanes|cascade` runs "
+        "one part and keeps the others' last figures). Models run in-process on the "
+        "continuous engine, fp32 on CPU (2 shared cores), no Ray. Raw figures: "
+        "`benchmarks/results/router_eval.json`.",
+        "",
+    ]
+    p = results.get("predictor")
+    if p:
+        prior = p["prior_only"]
+        out += [
+            "## Length predictor",
+            "",
+            f"{p['prompts']} prompts (`data/router_prompts.jsonl`), true lengths of "
+            f"{SMALL_MODEL} (greedy, max_tokens {LENGTH_MAX_TOKENS}, cached in "
+            f"`data/router_lengths.json`). `LengthPredictor` observes {p['train']} completions "
+            f"online and is scored on the other {p['test']}; buckets {p['buckets']} (shares "
+            + ", ".join(f"{s:.0%}" for s in p["bucket_shares"])
+            + f"). Measured {p.get('measured_at', '?')}.",
+            "",
+            "| | Kendall τ | MAE log(1+tokens) | bucket accuracy |",
+            "|---|---:|---:|---:|",
+            f"| prior only (no observations) | {prior['kendall_tau']:.3f} | {prior['mae_log']:.3f}"
+            f" | {prior['bucket_accuracy']:.3f} |",
+            f"| after {p['train']} observations | {p['kendall_tau']:.3f} | {p['mae_log']:.3f} | "
+            f"{p['bucket_accuracy']:.3f} |",
+            "",
+            f"Target τ ≥ 0.5: {_verdict(p['kendall_tau'] >= 0.5)}.",
+            "",
+            "True length by prompt kind (held-out): "
+            + ", ".join(
+                f"{k} {v['median']:.0f} (max {v['max']:.0f})"
+                for k, v in p["true_length_by_kind"].items()
+            )
+            + ".",
+            "",
+        ]
+    lanes = results.get("lanes")
+    if lanes:
+        f, L = lanes["fifo"], lanes["lanes"]
+        out += [
+            "## Lanes vs one FIFO lane",
+            "",
+            f"{lanes['requests']} requests, 70% short (max_tokens 8-16), 30% long (128-192, "
+            f"long-answer prompts), Poisson at {lanes['rate_req_s']:.2f} req/s = "
+            f"{lanes['load']:.0%} of a measured capacity of {lanes['capacity_req_s']:.2f} req/s. "
+            f"`RouterServer` (max_in_flight {lanes['max_in_flight']}) over one in-process "
+            f"small `GeneratorServer` (max_num_seqs {lanes['max_num_seqs']}); the same trace "
+            f"runs FIFO then lanes. Measured {lanes.get('measured_at', '?')}.",
+            "",
+            "| | short p50 s | short p99 s | long p50 s | long p99 s | tokens/s |",
+            "|---|---:|---:|---:|---:|---:|",
+        ]
+        for name, r in (("one FIFO lane", f), ("lanes (shortest first, aging)", L)):
+            out.append(
+                f"| {name} | {r['short']['p50_s']:.2f} | {r['short']['p99_s']:.2f} | "
+                f"{r['long']['p50_s']:.2f} | {r['long']['p99_s']:.2f} | "
+                f"{r['throughput_tok_s']:.1f} |"
+            )
+        out += [
+            "",
+            f"Short p50 {lanes['short_p50_speedup']:.2f}x lower with lanes (target ≥ 2x: "
+            f"{_verdict(lanes['short_p50_speedup'] >= 2)}); throughput ratio "
+            f"{lanes['throughput_ratio']:.2f} (target ≥ 0.9: "
+            f"{_verdict(lanes['throughput_ratio'] >= 0.9)}).",
+            "",
+        ]
+    c = results.get("cascade")
+    if c:
+        b = c["recommended"]
+        out += [
+            "## Cascade threshold",
+            "",
+            f"{c['questions']} questions with checkable answers (`data/router_questions.jsonl`: "
+            f"arithmetic, capitals, unit conversions, yes/no), max_tokens {c['max_tokens']}, "
+            f"greedy, system prompt {CASCADE_SYSTEM!r}. Each model answered once; the sweep "
+            "replays `CascadePolicy.should_escalate` (mean token logprob, cut at max_tokens, "
+            f"repetition) over the recorded outcomes. Measured {c.get('measured_at', '?')}.",
+            "",
+            f"All-small accuracy {c['all_small_accuracy']:.3f}; all-large accuracy "
+            f"{c['all_large_accuracy']:.3f} ({c['all_large_tokens']} large tokens).",
+            "",
+            "| min_mean_logprob | accuracy | answered by small alone | large-token cut |",
+            "|---:|---:|---:|---:|",
+        ]
+        for r in c["sweep"][::4]:
+            out.append(
+                f"| {r['threshold']:.2f} | {r['accuracy']:.3f} | {r['small_share']:.0%} | "
+                f"{r['large_token_cut']:.0%} |"
+            )
+        out += [
+            "",
+            f"**Recommended `min_mean_logprob`: {b['threshold']}** → accuracy {b['accuracy']:.3f}"
+            f" ({b['accuracy_vs_large']:.0%} of all-large; target ≥ 95%: "
+            f"{_verdict(b['accuracy_vs_large'] >= 0.95)}), {b['small_share']:.0%} answered by "
+            f"small alone (target ≥ 50%: {_verdict(b['small_share'] >= 0.5)}), large tokens "
+            f"cut {b['large_token_cut']:.0%} (target ≥ 40%: "
+            f"{_verdict(b['large_token_cut'] >= 0.4)}).",
+            "",
+        ]
+    if NOTES.strip():
+        out += ["## Notes", "", NOTES.strip(), ""]
+    return "\n".join(out)
+
+
+def write_report(results: dict[str, Any], path: Path = REPORT_PATH) -> None:
+    path.write_text(render(results))
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(prog="python -m benchmarks.router_eval", description=__doc__)
+    parser.add_argument("--part", choices=("predictor", "lanes", "cascade", "all"), default="all")
+    parser.add_argument("--refresh", action="store_true", help="regenerate the true lengths")
+    parser.add_argument("--lane-requests", type=int, default=120)
+    args = parser.parse_args(argv)
+    results: dict[str, Any] = {}
+    if RESULTS_PATH.exists():  # parts run alone update their section, keep the others
+        results = json.loads(RESULTS_PATH.read_text())
+    parts = ("predictor", "lanes", "cascade") if args.part == "all" else (args.part,)
+    for part in parts:
+        start = time.perf_counter()
+        if part == "predictor":
+            results["predictor"] = part_predictor(args.refresh)
+        elif part == "lanes":
+            results["lanes"] = part_lanes(args.lane_requests)
+        else:
+            results["cascade"] = part_cascade()
+        results[part]["wall_s"] = round(time.perf_counter() - start, 1)
+        results[part]["measured_at"] = time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())
+    RESULTS_PATH.parent.mkdir(parents=True, exist_ok=True)
+    RESULTS_PATH.write_text(json.dumps(results, indent=1))
+    write_report(results)
+    print(f"\nwrote {RESULTS_PATH} and {REPORT_PATH}")
+
+
+if __name__ == "__main__":
+    main()
