@@ -164,6 +164,12 @@ def build_parser() -> argparse.ArgumentParser:
     off.add_argument("--model", default=Resources().model)
     off.add_argument("--seed", type=int, default=0)
 
+    rep = sub.add_parser("report", help="re-render a suite's report from its results.json")
+    rep.add_argument("results", type=Path, help="benchmarks/results/<time>/results.json")
+    rep.add_argument(
+        "--readme", action="store_true", help="also update benchmarks/README.md and report/*.png"
+    )
+
     info = sub.add_parser("trace-info", help="trace statistics and the scaling for a rate")
     info.add_argument("--trace", default=DEFAULT_TRACE)
     info.add_argument("--rate", type=float, default=20.0)
@@ -425,6 +431,23 @@ def cmd_offline(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_report(args: argparse.Namespace) -> int:
+    from benchmarks import report
+
+    results = json.loads(args.results.read_text())
+    if results.get("kind") != "suite":
+        raise SystemExit(f"{args.results} is not a suite's results (kind={results.get('kind')!r})")
+    out_dir = args.results.parent
+    report.suite_plots(results, out_dir)
+    (out_dir / "report.md").write_text(report.suite_markdown(results))
+    if args.readme:
+        report.suite_plots(results, report.REPORT_DIR)
+        report.write_readme(results)
+        print(f"updated {report.README} and {report.REPORT_DIR}/")
+    print(f"re-rendered {out_dir}/report.md and plots")
+    return 0
+
+
 def cmd_trace_info(args: argparse.Namespace) -> int:
     import statistics
 
@@ -457,6 +480,7 @@ def main(argv: list[str] | None = None) -> int:
         "suite": cmd_suite,
         "run": cmd_run,
         "offline": cmd_offline,
+        "report": cmd_report,
         "trace-info": cmd_trace_info,
     }
     return handlers[args.command](args)

@@ -354,6 +354,11 @@ def _machine_md(results: dict[str, Any]) -> str:
     )
 
 
+def _window(scaling: dict[str, Any]) -> str:
+    window = scaling.get("window_s")
+    return f"{window[0]:.0f}-{window[1]:.0f} s" if window else "?"
+
+
 def suite_markdown(results: dict[str, Any], image_prefix: str = "") -> str:
     """The suite report. ``image_prefix`` points image links at where the PNGs are."""
     cfg = results.get("config", {})
@@ -492,7 +497,7 @@ def suite_markdown(results: dict[str, Any], image_prefix: str = "") -> str:
         )
         out.append(
             f"Scale factors: time compressed **{sc['time_factor']:.2f}x** (trace window "
-            f"{sc['window_s'][0]:.0f}-{sc['window_s'][1]:.0f} s of the hour), context tokens x "
+            f"{_window(sc)} of the hour), context tokens x "
             f"**{sc['token_scale']:g}** (one text per request, clipped to 4-512; mean "
             f"{sc['context_tokens_mean']:.0f}, p50 {sc['context_tokens_p50']:.0f}), generated "
             f"tokens x {sc['generated_token_scale']:g} (unused for embeddings). Rate: "
