@@ -292,6 +292,18 @@ def main(argv: list[str] | None = None) -> int:
             "tokens_per_cpu_s_ratio": c["tokens_per_cpu_s"] / s["tokens_per_cpu_s"],
             "p50_latency_ratio": c["latency_p50_s"] / s["latency_p50_s"],
         }
+        # Rounds alternate modes, so round i of each is a pair run under similar load.
+        paired = [
+            a["tokens_per_s"] / b["tokens_per_s"]
+            for a, b in zip(rounds["continuous"], rounds["static"], strict=True)
+        ]
+        summary["paired_throughput_ratios"] = paired
+        summary["paired_throughput_ratio_median"] = statistics.median(paired)
+        print(
+            "paired rounds: "
+            + ", ".join(f"{r:.2f}x" for r in paired)
+            + f" (median {statistics.median(paired):.2f}x)"
+        )
         print(
             f"continuous/static: {summary['throughput_ratio']:.2f}x tokens/s overall, "
             f"{summary['sustained_throughput_ratio']:.2f}x sustained (all clients busy), "
