@@ -26,6 +26,11 @@ CUES: dict[str, tuple[re.Pattern[str], float]] = {
         re.compile(r"\b(how many|how much|what is \d|calculate|compute|convert)\b", re.I),
         -0.8,
     ),
+    # Factoid questions ("who wrote...", "what is the capital...") get a phrase or a sentence.
+    "factoid": (
+        re.compile(r"^\s*(who|what|which|when|where|how (many|much|long|old|far))\b", re.I),
+        -0.5,
+    ),
     "list": (re.compile(r"\b(list|enumerate|bullet|steps|top \d+)\b", re.I), 0.6),
     "explain": (re.compile(r"\b(explain|why|describe|compare|discuss)\b", re.I), 0.7),
     "detail": (
@@ -34,7 +39,10 @@ CUES: dict[str, tuple[re.Pattern[str], float]] = {
     ),
     "write": (
         re.compile(
-            r"\b(write|draft|compose) (a|an|the)? ?(story|essay|poem|article|letter|report|blog)\b",
+            # A few words may sit between verb and genre ("write a long story", "tell me a
+            # story"): the genre decides the length, not the adjective.
+            r"\b(write|draft|compose|tell)\b(\W+\w+){0,3}?\W+"
+            r"(story|stories|essay|poem|article|letter|report|blog)\b",
             re.I,
         ),
         1.3,
