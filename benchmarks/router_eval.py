@@ -46,6 +46,10 @@ BUCKETS = (16, 64)
 TRAIN_MAX = 200
 CASCADE_MAX_TOKENS = 48
 CASCADE_SYSTEM = "Answer the question briefly. Give only the answer."
+# Torch threads of the in-process models. One by default: the 2 cores are shared with other
+# work, and two OpenMP threads against a busy core spin at each barrier (measured here:
+# 52 tok/s with 1 thread vs 4 tok/s with 2 while another process held a core).
+THREADS = {"torch": 1}
 
 # --- metrics (pure) ----------------------------------------------------------------------
 
@@ -221,6 +225,36 @@ def recommend(
     }
 
 
+def auc(positives: Sequence[float], negatives: Sequence[float]) -> float:
+    """P(a random positive scores above a random negative), ties half: 0.5 = no signal."""
+    if not positives or not negatives:
+        return float("nan")
+    wins = sum((p > n) + 0.5 * (p == n) for p in positives for n in negatives)
+    return wins / (len(positives) * len(negatives))
+
+
+def cascade_diagnostics(answers: Sequence[dict[str, Any]]) -> dict[str, float]:
+    """Why a threshold does or does not work: signal quality and the best any judge could do.
+
+    - ``logprob_auc``: how well the small answer's mean logprob separates its right answers
+      from its wrong ones, among answers that ended on their own (cut-off answers always
+      escalate).
+    - ``oracle_small_share``: share a perfect judge keeps on small at no accuracy loss
+      (small right, or both wrong); no threshold can beat it.
+    """
+    stopped = [a for a in answers if a["small_finish"] != "length" and a["small_mean_logprob"]]
+    right = [a["small_mean_logprob"] for a in stopped if a["small_correct"]]
+    wrong = [a["small_mean_logprob"] for a in stopped if not a["small_correct"]]
+    n = max(len(answers), 1)
+    keep = [a for a in answers if a["small_correct"] or not a["large_correct"]]
+    return {
+        "logprob_auc": auc(right, wrong),
+        "small_cut_off_share": sum(a["small_finish"] == "length" for a in answers) / n,
+        "oracle_small_share": len(keep) / n,
+        "oracle_accuracy": sum(a["small_correct"] or a["large_correct"] for a in answers) / n,
+    }
+
+
 # --- data --------------------------------------------------------------------------------
 
 
@@ -239,8 +273,7 @@ def make_server(model: str, max_num_seqs: int, max_batch_tokens: int = 512) -> A
     return GeneratorServer(
         {
             "source": {"model": model},
-            # The whole machine is ours during the run (2 cores).
-            "replica": {"num_cpus": 2},
+            "replica": {"num_cpus": THREADS["torch"]},
             "limits": {"max_seq_len": 512, "max_tokens_limit": 256},
             "batching": {
                 "max_num_seqs": max_num_seqs,
@@ -573,7 +606,20 @@ def part_cascade() -> dict[str, Any]:
         "all_large_tokens": sum(o.large_tokens for o in outcomes),
         "sweep": rows,
         "recommended": best,
+        "diagnostics": cascade_diagnostics(records),
         "answers": records,
+        # Enough to re-sweep without running the models again.
+        "outcomes": [
+            {
+                "small_token_ids": list(o.small_token_ids),
+                "small_logprobs": [round(x, 5) for x in o.small_logprobs],
+                "small_finish": o.small_finish,
+                "small_correct": o.small_correct,
+                "large_correct": o.large_correct,
+                "large_tokens": o.large_tokens,
+            }
+            for o in outcomes
+        ],
     }
     print("\n== cascade (offline sweep of min_mean_logprob) ==")
     print(f"all-small accuracy {small_acc:.3f}, all-large accuracy {large_acc:.3f}")
@@ -707,6 +753,16 @@ def render(results: dict[str, Any]) -> str:
             f"{_verdict(b['large_token_cut'] >= 0.4)}).",
             "",
         ]
+        diag = c.get("diagnostics") or cascade_diagnostics(c["answers"])
+        out += [
+            f"Signal and ceiling: the mean token logprob separates the small model's right "
+            f"answers from its wrong ones with AUC {diag['logprob_auc']:.2f} (0.5 = chance; "
+            f"answers that ended on their own); {diag['small_cut_off_share']:.0%} of small "
+            f"answers hit max_tokens and always escalate. A perfect judge could keep at most "
+            f"{diag['oracle_small_share']:.0%} on small (small right, or both wrong) at "
+            f"accuracy {diag['oracle_accuracy']:.3f}.",
+            "",
+        ]
     if NOTES.strip():
         out += ["## Notes", "", NOTES.strip(), ""]
     return "\n".join(out)
@@ -720,8 +776,10 @@ def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(prog="python -m benchmarks.router_eval", description=__doc__)
     parser.add_argument("--part", choices=("predictor", "lanes", "cascade", "all"), default="all")
     parser.add_argument("--refresh", action="store_true", help="regenerate the true lengths")
-    parser.add_argument("--lane-requests", type=int, default=120)
+    parser.add_argument("--lane-requests", type=int, default=100)
+    parser.add_argument("--threads", type=int, default=1, help="torch threads per model")
     args = parser.parse_args(argv)
+    THREADS["torch"] = args.threads
     results: dict[str, Any] = {}
     if RESULTS_PATH.exists():  # parts run alone update their section, keep the others
         results = json.loads(RESULTS_PATH.read_text())

@@ -131,6 +131,8 @@ class _Gate:
     queued_tokens: float = 0.0
     tokens_per_s: float = 20.0  # learned from completions; a modest CPU prior
     waiters: dict[int, float] = field(default_factory=dict)
+    # One FIFO lane (lanes disabled): admit in arrival order, not shortest-predicted first.
+    fifo: bool = False
 
     async def enter(self, predicted: float, tier: Tier) -> None:
         self.queued_tokens += predicted
@@ -138,7 +140,7 @@ class _Gate:
             self.in_flight += 1
             return
         future: asyncio.Future[None] = asyncio.get_running_loop().create_future()
-        self.queue.push(future, predicted, time.monotonic(), tier)
+        self.queue.push(future, 0.0 if self.fifo else predicted, time.monotonic(), tier)
         try:
             await future
         except asyncio.CancelledError:
@@ -190,7 +192,11 @@ class RouterServer:
         dims = len(extract_features("x", 1, 1).vector())
         self.learner = EscalationLearner(dims)
         self.gates = {
-            name: _Gate(c.max_in_flight.get(name, 16), ShortestFirstQueue(c.aging_tokens_per_s))
+            name: _Gate(
+                c.max_in_flight.get(name, 16),
+                ShortestFirstQueue(c.aging_tokens_per_s),
+                fifo=not c.lanes_enabled,
+            )
             for name in clients
         }
         self.listeners: list[Any] = []

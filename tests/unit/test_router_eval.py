@@ -12,8 +12,10 @@ from benchmarks.router_eval import (
     PROMPTS_PATH,
     QUESTIONS_PATH,
     QuestionOutcome,
+    auc,
     bucket,
     bucket_accuracy,
+    cascade_diagnostics,
     check_answer,
     kendall_tau,
     mae_log,
@@ -133,3 +135,40 @@ def test_data_files_are_well_formed():
 def test_report_renders_from_partial_results():
     text = render({})
     assert text.startswith("# Router evaluation")
+
+
+def test_auc_and_cascade_diagnostics():
+    assert auc([0.9, 0.8], [0.1, 0.2]) == 1.0
+    assert auc([0.1], [0.9]) == 0.0
+    assert auc([0.5], [0.5]) == 0.5
+    answers = [
+        {
+            "small_correct": True,
+            "large_correct": True,
+            "small_mean_logprob": -0.1,
+            "small_finish": "stop",
+        },
+        {
+            "small_correct": False,
+            "large_correct": True,
+            "small_mean_logprob": -0.9,
+            "small_finish": "stop",
+        },
+        {
+            "small_correct": False,
+            "large_correct": False,
+            "small_mean_logprob": -0.5,
+            "small_finish": "length",
+        },
+        {
+            "small_correct": True,
+            "large_correct": False,
+            "small_mean_logprob": -0.2,
+            "small_finish": "stop",
+        },
+    ]
+    diag = cascade_diagnostics(answers)
+    assert diag["logprob_auc"] == 1.0  # both right answers above the wrong stopped one
+    assert diag["small_cut_off_share"] == 0.25
+    assert diag["oracle_small_share"] == 0.75  # all but the one only large gets right
+    assert diag["oracle_accuracy"] == 0.75

@@ -140,6 +140,23 @@ def test_single_fifo_lane_keeps_arrival_order() -> None:
     assert small.order == ["a", "long write an essay", "short yes or no?"]
 
 
+def test_single_fifo_lane_ignores_predicted_length_at_default_aging() -> None:
+    # The benchmarks' baseline: without lanes, a short request arriving last is served last.
+    small = FakeGenerator("small", delay=0.05)
+    config = {"policy": "cascade", "max_in_flight": {"small": 1}, "lanes_enabled": False}
+    router = RouterServer({**config, "escalate_on_length": False}, {"small": small})
+
+    async def main() -> None:
+        tasks = []
+        for prompt, n in [("a", 8), ("long write an essay in detail", 1024), ("yes or no?", 4)]:
+            tasks.append(asyncio.create_task(router.generate(_call(prompt, n))))
+            await asyncio.sleep(0.005)
+        await asyncio.gather(*tasks)
+
+    asyncio.run(main())
+    assert small.order == ["a", "long write an essay in detail", "yes or no?"]
+
+
 def test_streaming_carries_the_decision_and_learns() -> None:
     small, large = FakeGenerator("small"), FakeGenerator("large")
     router = RouterServer({"policy": "threshold"}, {"small": small, "large": large})
