@@ -23,17 +23,22 @@ from pipelines.embed import EmbedArgs, EmbedIngress
 WIDE_CONCURRENT_BATCHES = 64
 
 
-@serve.batch(
-    max_batch_size=64 * 8192,  # replaced from config by _apply_collection()
-    max_concurrent_batches=WIDE_CONCURRENT_BATCHES,
-    batch_size_fn=batch_weight,
-)
-async def _wide_collect(self: Any, jobs: list[Job]) -> list[Any]:
-    return await self.executor.run(jobs)
+def _make_wide_collector() -> Any:
+    # The function must be named like the attribute it is stored under (`_collect`): Serve
+    # tells a method from a function by looking up `func.__name__` on the first argument.
+    @serve.batch(
+        max_batch_size=64 * 8192,  # replaced from config by _apply_collection()
+        max_concurrent_batches=WIDE_CONCURRENT_BATCHES,
+        batch_size_fn=batch_weight,
+    )
+    async def _collect(self: Any, jobs: list[Job]) -> list[Any]:
+        return await self.executor.run(jobs)
+
+    return _collect
 
 
 class WideEmbeddingDeployment(EmbeddingDeployment):
-    _collect = _wide_collect
+    _collect = _make_wide_collector()
 
 
 def build_wide_embed_app(args: dict[str, Any] | None = None) -> Application:
