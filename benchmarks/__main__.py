@@ -441,6 +441,7 @@ def cmd_report(args: argparse.Namespace) -> int:
     report.suite_plots(results, out_dir)
     (out_dir / "report.md").write_text(report.suite_markdown(results))
     if args.readme:
+        results["rendered_with"] = _command_line()
         report.suite_plots(results, report.REPORT_DIR)
         report.write_readme(results)
         print(f"updated {report.README} and {report.REPORT_DIR}/")

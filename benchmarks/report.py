@@ -344,13 +344,14 @@ def _machine_md(results: dict[str, Any]) -> str:
     busy = ", ".join(
         f"{p['cmd'].split('/')[-1][:40]} {p['cpu_percent']:.0f}%"
         for p in m.get("busiest_processes", [])[:3]
+        if p["cpu_percent"] >= 5
     )
     return (
         f"{m.get('cpu_count')} cores ({m.get('cpu_model')}), {m.get('memory_gib')} GiB, no GPU; "
         f"{m.get('platform')}; Python {m.get('python')}, torch {m.get('torch')}, ray "
         f"{m.get('ray')}, transformers {m.get('transformers')}. Load average (1/5/15 min) "
         f"{m.get('loadavg')} before, {after.get('loadavg')} after; busiest processes at the "
-        f"start: {busy or 'n/a'}."
+        f"start: {busy or 'none above 5% CPU'}."
     )
 
 
@@ -372,6 +373,8 @@ def suite_markdown(results: dict[str, Any], image_prefix: str = "") -> str:
         f"{results.get('duration_s', 0) / 60:.1f} min with:\n"
     )
     out.append(f"```\n{results.get('command', '.venv/bin/python -m benchmarks suite')}\n```\n")
+    if results.get("rendered_with"):
+        out.append(f"Report rendered from its results.json with `{results['rendered_with']}`.\n")
     out.append(f"**Machine.** {_machine_md(results)}\n")
     out.append(
         f"**Setup.** Every system serves `{res.get('model')}` from one Serve instance on "
@@ -622,7 +625,7 @@ is in this folder, raw results of every run go to `benchmarks/results/<timestamp
 ## How to run
 
 ```
-make bench                                   # the standard suite (about 10-13 min on 2 cores)
+make bench                                   # the standard suite (about 12-13 min on 2 cores)
 .venv/bin/python -m benchmarks suite --quick # a 3-4 min check of the harness
 .venv/bin/python -m benchmarks run --system carpool --system naive --arrival poisson --rate 10
 .venv/bin/python -m benchmarks run --url http://127.0.0.1:8000 --prefix /embed --arrival closed --concurrency 16
@@ -630,6 +633,8 @@ make bench                                   # the standard suite (about 10-13 m
 .venv/bin/python -m benchmarks run --system carpool --workload my.jsonl --arrival sweep --rates 5,10,20
 .venv/bin/python -m benchmarks offline       # the bare model's throughput by batch size
 .venv/bin/python -m benchmarks trace-info    # the trace window and scale factors for a rate
+.venv/bin/python -m benchmarks suite --systems carpool,carpool-wide --variant 'small={"max_batch_tokens": 2048}' --phases saturation,search
+.venv/bin/python -m benchmarks report benchmarks/results/<time>/results.json --readme
 ```
 
 The suite starts its own Ray (token auth off, no dashboard) and Serve on 127.0.0.1:8100
@@ -641,6 +646,11 @@ named, or drives any server already running (`--url`). Workloads: `embed-mixed`,
 bodies (`{"input": [...]}`, `{"query": ..., "documents": [...]}`, optional `arrival_s`).
 Arrivals: `poisson`, `bursty`, `sweep` (Poisson at each of `--rates`), `search` (highest rate
 within the SLO), `closed` (fixed concurrency), `replay` (the workload's own times).
+`--variant NAME='{knobs}'` adds carpool deployments with other batching knobs to the same run;
+`carpool-wide` is carpool with a proposed code change (`experimental.py`); `report`
+re-renders a suite's report, plots and (with `--readme`) this file from its `results.json`.
+Tests of the harness itself (no speed claims): `tests/unit/test_bench_harness.py`,
+`tests/integration/test_bench_smoke.py` (a fake server with known latency).
 
 ## Results
 
