@@ -29,13 +29,43 @@ DEFAULT_MODEL = "packaged:all-MiniLM-L6-v2"
 METRICS_INTERVAL_MS = 2000
 
 
+def serve_yaml_embed() -> tuple[dict[str, Any], dict[str, Any]]:
+    """serve.yaml's embed app: its ``args`` and the embedder deployment's ``user_config``.
+
+    The batching knobs may sit in either place (``args.embedder.batching`` is the app's
+    default; a ``deployments: [{name: embedder, user_config: ...}]`` entry overrides it, as
+    ``serve deploy`` would), so both are read.
+    """
+    if not SERVE_CONFIG.is_file():
+        return {}, {}
+    with open(SERVE_CONFIG) as fh:
+        config = yaml.safe_load(fh) or {}
+    for app in config.get("applications", []):
+        if app.get("import_path", "").startswith("pipelines.embed"):
+            user_config: dict[str, Any] = {}
+            for dep in app.get("deployments") or []:
+                if dep.get("name") == "embedder":
+                    user_config = dict(dep.get("user_config") or {})
+            return dict(app.get("args") or {}), user_config
+    return {}, {}
+
+
+def _serve_yaml_num_cpus(fallback: float = 0.8) -> float:
+    args, _ = serve_yaml_embed()
+    value = (args.get("embedder") or {}).get("replica", {}).get("num_cpus")
+    return float(value) if value else fallback
+
+
 class Resources(BaseModel):
     """What every model replica gets, whichever system it belongs to."""
 
     model_config = ConfigDict(extra="forbid")
 
     num_cpus: float = Field(
-        default=0.8, gt=0, le=64, description="CPU reservation per model replica (serve.yaml's)."
+        default_factory=_serve_yaml_num_cpus,
+        gt=0,
+        le=64,
+        description="CPU reservation per model replica (default: serve.yaml's embedder's).",
     )
     torch_threads: int = Field(default=1, ge=1, le=64, description="torch intra-op threads.")
     ingress_num_cpus: float = Field(default=0.1, gt=0, le=8, description="carpool's ingress.")
@@ -59,13 +89,7 @@ def carpool_embed_args(resources: Resources, batching: dict[str, Any] | None = N
     Reading serve.yaml means the benchmark measures what ships; ``batching`` overrides the
     knobs for tuning experiments.
     """
-    args: dict[str, Any] = {}
-    if SERVE_CONFIG.is_file():
-        with open(SERVE_CONFIG) as fh:
-            config = yaml.safe_load(fh) or {}
-        for app in config.get("applications", []):
-            if app.get("import_path", "").startswith("pipelines.embed"):
-                args = dict(app.get("args") or {})
+    args, user_config = serve_yaml_embed()
     embedder = dict(args.get("embedder") or {})
     source = dict(embedder.get("source") or {})
     source["model"] = resources.model
@@ -73,7 +97,11 @@ def carpool_embed_args(resources: Resources, batching: dict[str, Any] | None = N
     replica = dict(embedder.get("replica") or {})
     replica.update(num_cpus=resources.num_cpus, torch_threads=resources.torch_threads)
     embedder["replica"] = replica
-    embedder["batching"] = {**(embedder.get("batching") or {}), **(batching or {})}
+    embedder["batching"] = {
+        **(embedder.get("batching") or {}),
+        **user_config,
+        **(batching or {}),
+    }
     args["embedder"] = embedder
     ingress = dict(args.get("ingress") or {})
     ingress["num_cpus"] = resources.ingress_num_cpus

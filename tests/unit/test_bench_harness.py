@@ -462,3 +462,35 @@ def test_model_policies_on_hand_computed_cases() -> None:
         batch_wait_timeout_s=0.0, pass_overhead_tokens=0, split_policy="greedy", max_batch_tokens=20
     )
     assert simulate_carpool(jobs, cost, knobs) == pytest.approx([0.003, 0.006])
+
+
+def test_carpool_args_take_serve_yaml_knobs_then_overrides(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from benchmarks import deploy
+
+    config = tmp_path / "serve.yaml"
+    config.write_text(
+        """
+applications:
+  - name: embed
+    import_path: pipelines.embed:build_embed_app
+    args:
+      embedder:
+        replica: {num_cpus: 0.5}
+        batching: {max_batch_size: 16, pass_overhead_tokens: 10}
+    deployments:
+      - name: embedder
+        user_config: {pass_overhead_tokens: 128, batch_wait_timeout_s: 0.02}
+"""
+    )
+    monkeypatch.setattr(deploy, "SERVE_CONFIG", config)
+    resources = deploy.Resources(torch_threads=1)
+    assert resources.num_cpus == 0.5  # serve.yaml's embedder reservation
+    args = deploy.carpool_embed_args(resources, {"batch_wait_timeout_s": 0.0})
+    assert args["embedder"]["batching"] == {
+        "max_batch_size": 16,
+        "pass_overhead_tokens": 128,  # deployments' user_config wins over args, as in Serve
+        "batch_wait_timeout_s": 0.0,  # the benchmark's override wins over both
+    }
+    assert args["embedder"]["replica"]["torch_threads"] == 1
