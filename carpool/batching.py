@@ -22,6 +22,8 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Generic, Protocol, TypeVar
 
+from carpool.admission import deadline_exceeded
+
 P = TypeVar("P")  # an item's payload (token ids, a pair, ...)
 R = TypeVar("R")  # an item's result
 
@@ -189,6 +191,10 @@ class Job(Generic[P, R]):
     error: BaseException | None = None
     remaining: int = 0
     future: asyncio.Future[list[R]] | None = None
+    deadline: float | None = None  # time.monotonic(); past it, items are dropped uncomputed
+    rank: int = 0  # priority tier: lower is taken first (0 interactive, 1 batch)
+    counted_drop: bool = False
+    controls: Any = None  # the request's RequestControls, for admission
 
     def __post_init__(self) -> None:
         if len(self.payloads) != len(self.lengths):
@@ -216,6 +222,9 @@ class PassRecord:
 class PassListener(Protocol):
     def on_pass(self, record: PassRecord) -> None: ...
 
+    def on_drop(self, reason: str, items: int) -> None:
+        """Items that left without a forward pass: 'cancelled' or 'deadline'."""
+
 
 @dataclass
 class BatchStats:
@@ -229,6 +238,10 @@ class BatchStats:
     forward_ms: float = 0.0
     queue_wait_ms: float = 0.0
     max_pass_items: int = 0
+    dropped: dict[str, int] = field(default_factory=dict)
+
+    def on_drop(self, reason: str, items: int) -> None:
+        self.dropped[reason] = self.dropped.get(reason, 0) + items
 
     def on_pass(self, record: PassRecord) -> None:
         self.passes += 1
@@ -254,6 +267,8 @@ class BatchStats:
             ),
             "mean_forward_ms": self.forward_ms / self.passes if self.passes else 0.0,
             "mean_queue_wait_ms": self.queue_wait_ms / self.items if self.items else 0.0,
+            "cancelled_items": self.dropped.get("cancelled", 0),
+            "deadline_dropped_items": self.dropped.get("deadline", 0),
         }
 
 
@@ -326,13 +341,39 @@ class LengthAwareExecutor(Generic[P, R]):
             self._wakeup = asyncio.Event()
             self._worker = asyncio.get_running_loop().create_task(self._loop())
 
+    def _drop(self, job: Job[P, R], reason: str) -> None:
+        for listener in self.listeners:
+            on_drop = getattr(listener, "on_drop", None)
+            if on_drop is not None:
+                on_drop(reason, job.remaining)
+
+    def _gone(self, job: Job[P, R], now: float) -> bool:
+        """True (and the job is failed or forgotten) when its items must not be computed."""
+        assert job.future is not None
+        if job.future.done():  # cancelled by its caller, or already failed
+            if job.future.cancelled() and not job.counted_drop:
+                job.counted_drop = True
+                self._drop(job, "cancelled")
+            return True
+        if job.deadline is not None and now >= job.deadline:
+            self._drop(job, "deadline")
+            job.future.set_exception(deadline_exceeded("model"))
+            return True
+        return False
+
     def _take_step(self) -> list[Job[P, R]]:
-        """Oldest jobs first, up to ``max_step_items`` items (always at least one job)."""
+        """Interactive before batch, oldest first, up to ``max_step_items`` items.
+
+        Always at least one job. Jobs whose client left or whose deadline passed leave here,
+        before any compute is spent on them.
+        """
         taken: list[Job[P, R]] = []
         count = 0
+        now = time.monotonic()
+        self._waiting.sort(key=lambda j: j.rank)  # stable: arrival order within a tier
         while self._waiting:
             job = self._waiting[0]
-            if job.future is not None and job.future.done():  # cancelled by its caller
+            if self._gone(job, now):
                 self._waiting.pop(0)
                 continue
             if taken and count + job.remaining > self.max_step_items:
@@ -358,8 +399,12 @@ class LengthAwareExecutor(Generic[P, R]):
         lengths = [job.lengths[i] for job, i in refs]
         step_items = len(refs)
         for group in self.splitter.split(lengths):
-            # Skip items whose job was cancelled or already failed while earlier passes ran.
-            live = [k for k in group if not refs[k][0].future.done()]  # type: ignore[union-attr]
+            # Skip items whose job was cancelled, failed or ran out of time while earlier
+            # passes ran.
+            now = time.monotonic()
+            step_jobs = {id(j): j for j, _ in refs}
+            gone = {key: self._gone(job, now) for key, job in step_jobs.items()}
+            live = [k for k in group if not gone[id(refs[k][0])]]
             if not live:
                 continue
             started = time.monotonic()

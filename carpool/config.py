@@ -58,6 +58,27 @@ class BatchingConfig(StrictModel):
         description="Admission bound: items a replica holds (queued or running) before it "
         "refuses more with a fast 503 and Retry-After, instead of growing without bound.",
     )
+    admission_policy: Literal["bounded", "latency"] = Field(
+        default="latency",
+        description="How a replica decides to take a request: 'bounded' refuses past "
+        "max_queued_items only; 'latency' also refuses when the estimated queue delay passes "
+        "max_queue_delay_ms. Both refuse (504) what cannot meet its deadline.",
+    )
+    max_queue_delay_ms: float | None = Field(
+        default=1000.0,
+        gt=0,
+        le=3_600_000,
+        description="Admission bound for the 'latency' policy: the queue delay, estimated from "
+        "this replica's recent forward passes, past which it refuses with 503 + Retry-After. "
+        "null disables it.",
+    )
+    batch_tier_share: float = Field(
+        default=0.5,
+        gt=0,
+        le=1,
+        description="Fraction of the queue bounds that requests of the 'batch' priority tier "
+        "may fill; the rest is kept for 'interactive' ones.",
+    )
     # 128: measured on 1 CPU thread, a MiniLM pass costs ~7 ms fixed + ~0.19 ms/token (~40
     # tokens of overhead), but fuller passes also save per-pass work outside the forward and
     # GPU passes have far larger fixed costs. At 128 the mixed-length e2e burst averages >8

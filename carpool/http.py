@@ -6,11 +6,14 @@ OpenAI clients show the message, and the message always says what to change.
 
 from __future__ import annotations
 
+import asyncio
+import contextvars
 import hmac
 import logging
 import math
 import os
 from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
 from typing import Any, TypeVar
 
 from fastapi import FastAPI, Request
@@ -18,6 +21,13 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from carpool.admission import (
+    DEADLINE_HEADER,
+    PRIORITY_HEADER,
+    RequestControls,
+    deadline_exceeded,
+    parse_controls,
+)
 from carpool.errors import RequestError, find_request_error
 
 logger = logging.getLogger(__name__)
@@ -32,6 +42,7 @@ _ERROR_TYPES = {
     422: "invalid_request_error",
     429: "rate_limit_error",
     503: "service_unavailable",
+    504: "timeout_error",
 }
 
 
@@ -176,6 +187,60 @@ class ApiKeyAuth:
         await self.app(scope, receive, send)
 
 
+# RequestControls is a frozen dataclass, so one shared default is safe.
+_CONTROLS: contextvars.ContextVar[RequestControls] = contextvars.ContextVar(
+    "carpool_request_controls",
+    default=RequestControls(),  # noqa: B039
+)
+
+
+def current_controls() -> RequestControls:
+    """The deadline and priority of the request this ingress is serving now."""
+    return _CONTROLS.get()
+
+
+@dataclass
+class ControlsSettings:
+    """Per-ingress defaults; the ingress fills them from its config when it starts."""
+
+    default_deadline_ms: float | None = None
+
+
+class RequestControlsMiddleware:
+    """ASGI middleware: reads the deadline and priority headers once, for every stage.
+
+    A request whose budget is already spent is answered 504 here, before its body is read.
+    """
+
+    def __init__(self, app: Any, settings: ControlsSettings) -> None:
+        self.app = app
+        self.settings = settings
+
+    async def __call__(self, scope: dict, receive: Callable, send: Callable) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        headers = dict(scope.get("headers", []))
+        deadline = headers.get(DEADLINE_HEADER.encode())
+        priority = headers.get(PRIORITY_HEADER.encode())
+        try:
+            controls = parse_controls(
+                deadline.decode("latin-1") if deadline is not None else None,
+                priority.decode("latin-1") if priority is not None else None,
+                self.settings.default_deadline_ms,
+            )
+            controls.check("ingress")
+        except RequestError as exc:
+            response = error_response(exc.status_code, exc.message, exc.param, exc.code)
+            await response(scope, receive, send)
+            return
+        token = _CONTROLS.set(controls)
+        try:
+            await self.app(scope, receive, send)
+        finally:
+            _CONTROLS.reset(token)
+
+
 def make_api(title: str, description: str, max_body_bytes: int) -> FastAPI:
     """A FastAPI app with carpool's error handling; each pipeline adds its routes."""
     api = FastAPI(title=title, description=description, version="0.1.0")
@@ -206,6 +271,8 @@ def make_api(title: str, description: str, max_body_bytes: int) -> FastAPI:
         return error_response(exc.status_code, exc.message, exc.param, exc.code, exc.retry_after_s)
 
     api.add_middleware(BodySizeLimit, max_bytes=max_body_bytes)
+    api.state.controls = ControlsSettings()
+    api.add_middleware(RequestControlsMiddleware, settings=api.state.controls)
     # Added last, so it runs first: an unauthenticated body is never read.
     api.add_middleware(ApiKeyAuth)
     return api
@@ -224,6 +291,42 @@ def _replica_lost(exc: BaseException) -> bool:
     return False
 
 
+def _cancel(call: Awaitable[Any]) -> None:
+    # A DeploymentResponse: cancelling it cancels the downstream replica's work (queued items
+    # leave their batch, a generating sequence frees its slot) and, through Serve, its own
+    # downstream calls. Awaiting it in a cancelled task would not.
+    cancel = getattr(call, "cancel", None)
+    if cancel is not None:
+        try:
+            cancel()
+        except Exception:  # already finished or never assigned: nothing left to stop
+            logger.debug("cancelling a downstream call failed", exc_info=True)
+
+
+async def await_within_deadline(stage: str, call: Awaitable[T]) -> T:
+    """Awaits a downstream call within the request's deadline; cancels it if the client leaves.
+
+    Past the deadline the downstream work is cancelled and the client gets 504.
+    """
+    remaining = current_controls().remaining_s()
+    try:
+        if remaining is None:
+            return await call
+        if remaining <= 0:
+            raise asyncio.TimeoutError
+        return await asyncio.wait_for(_as_coroutine(call), remaining)
+    except asyncio.TimeoutError:
+        _cancel(call)
+        raise deadline_exceeded(stage) from None
+    except asyncio.CancelledError:
+        _cancel(call)
+        raise
+
+
+async def _as_coroutine(call: Awaitable[T]) -> T:
+    return await call
+
+
 async def call_idempotent(stage: str, make_call: Callable[[], Awaitable[T]]) -> T:
     """Like ``call_backend``, but retried once when the replica died mid-call.
 
@@ -231,7 +334,9 @@ async def call_idempotent(stage: str, make_call: Callable[[], Awaitable[T]]) -> 
     goes to another (or the restarted) replica, so a replica lost under load loses no request.
     """
     try:
-        return await make_call()
+        return await await_within_deadline(stage, make_call())
+    except RequestError:
+        raise
     except Exception as exc:
         if find_request_error(exc) is None and _replica_lost(exc):
             logger.warning("%s replica lost mid-call; retrying once elsewhere", stage)
@@ -250,7 +355,9 @@ async def call_backend(stage: str, call: Awaitable[T]) -> T:
     must not leak a stack trace into the response.
     """
     try:
-        return await call
+        return await await_within_deadline(stage, call)
+    except RequestError:
+        raise
     except Exception as exc:
         found = find_request_error(exc)
         if found is not None:

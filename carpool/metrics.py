@@ -40,7 +40,15 @@ BATCH_METRICS: dict[str, tuple[str, str, list[float] | None]] = {
         MS_BUCKETS,
     ),
     "carpool_forward_time_ms": ("histogram", "Wall time of one forward pass.", MS_BUCKETS),
+    "carpool_dropped_items_total": (
+        "counter",
+        "Items never computed, by reason: refused (admission, 503), deadline (504 at admission "
+        "or expired while queued), cancelled (the client left).",
+        None,
+    ),
 }
+# Counters that carry a reason label besides the model.
+_REASON_METRICS = {"carpool_dropped_items_total"}
 
 
 class RayBatchMetrics:
@@ -54,7 +62,11 @@ class RayBatchMetrics:
         self._padded = 0
         made: dict[str, Any] = {}
         for name, (kind, description, buckets) in BATCH_METRICS.items():
-            if kind == "counter":
+            if name in _REASON_METRICS:
+                made[name] = metrics.Counter(
+                    name, description=description, tag_keys=("model", "reason")
+                )
+            elif kind == "counter":
                 made[name] = metrics.Counter(name, description=description, tag_keys=("model",))
             elif kind == "gauge":
                 made[name] = metrics.Gauge(name, description=description, tag_keys=("model",))
@@ -81,3 +93,7 @@ class RayBatchMetrics:
         self._padded += record.padded_tokens
         if self._padded:
             m["carpool_padding_waste_ratio"].set(1 - self._real / self._padded)
+
+    def on_drop(self, reason: str, items: int) -> None:
+        if items > 0:
+            self._m["carpool_dropped_items_total"].inc(items, tags={"reason": reason})

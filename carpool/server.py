@@ -11,9 +11,15 @@ import os
 from collections.abc import Callable
 from typing import Any, Generic, TypeVar
 
-from carpool.batching import BatchLimits, Job, LengthAwareExecutor, make_splitter
+from carpool.admission import (
+    AdmissionLimits,
+    PassCostModel,
+    QueueState,
+    RequestControls,
+    make_admission_policy,
+)
+from carpool.batching import BatchLimits, Job, LengthAwareExecutor, PassRecord, make_splitter
 from carpool.config import CONCURRENT_BATCHES, BatchingConfig
-from carpool.errors import RequestError
 
 P = TypeVar("P")
 R = TypeVar("R")
@@ -29,10 +35,21 @@ class BatchedModelServer(Generic[P, R]):
     ) -> None:
         self.batching = batching
         self._queued_items = 0
+        self._queued_tokens = 0
         self.limits = BatchLimits(batching.max_batch_size, batching.max_batch_tokens)
         self.executor: LengthAwareExecutor[P, R] = LengthAwareExecutor(
             forward, self._splitter(batching), max_step_items=self._step_items(batching)
         )
+        self.cost = PassCostModel()
+        self.executor.listeners.append(_CostListener(self.cost))
+        self.admission_limits = AdmissionLimits(0, None, 1.0)
+        self._apply_admission(batching)
+
+    def _apply_admission(self, b: BatchingConfig) -> None:
+        self.admission_limits.max_queued_items = b.max_queued_items
+        self.admission_limits.max_queue_delay_ms = b.max_queue_delay_ms
+        self.admission_limits.batch_tier_share = b.batch_tier_share
+        self.admission = make_admission_policy(b.admission_policy, self.admission_limits, self.cost)
 
     @staticmethod
     def _splitter(b: BatchingConfig) -> Any:
@@ -52,6 +69,7 @@ class BatchedModelServer(Generic[P, R]):
         self.limits.max_batch_tokens = b.max_batch_tokens
         self.executor.splitter = self._splitter(b)
         self.executor.max_step_items = self._step_items(b)
+        self._apply_admission(b)
 
     def stats(self) -> dict[str, float]:
         """Cumulative batching figures of this replica, with its pid and current knobs."""
@@ -60,31 +78,55 @@ class BatchedModelServer(Generic[P, R]):
             "pid": os.getpid(),
             "max_batch_size": self.batching.max_batch_size,
             "max_batch_tokens": self.batching.max_batch_tokens,
+            "queued_items": self._queued_items,
+            "estimated_queue_delay_ms": round(
+                self.cost.estimate_ms(self._queued_items, self._queued_tokens), 1
+            ),
+            "cost_fixed_ms": round(self.cost.fixed_ms, 3),
+            "cost_ms_per_token": round(self.cost.ms_per_token, 5),
         }
 
-    def make_job(self, payloads: list[P], lengths: list[int]) -> Job[P, R]:
-        return Job(payloads, lengths, self.limits)
+    def make_job(
+        self, payloads: list[P], lengths: list[int], controls: RequestControls | None = None
+    ) -> Job[P, R]:
+        job: Job[P, R] = Job(payloads, lengths, self.limits)
+        if controls is not None:
+            job.deadline = controls.monotonic_deadline()
+            job.rank = controls.rank
+        job.controls = controls
+        return job
 
     async def run_job(self, job: Job[P, R]) -> list[R]:
-        """Admits ``job`` (or refuses it fast with 503) and returns its results."""
-        items = len(job.payloads)
-        queued = self._queued_items
-        if queued and queued + items > self.batching.max_queued_items:
-            stats = self.executor.stats
-            per_item_ms = stats.forward_ms / stats.items if stats.items else 50.0
-            raise RequestError(
-                503,
-                f"this replica already has {queued} items queued (limit "
-                f"{self.batching.max_queued_items}); retry later or send fewer items",
-                code="overloaded",
-                retry_after_s=queued * per_item_ms / 1000,
-            )
-        self._queued_items = queued + items
+        """Admits ``job`` (or refuses it fast: 503 when full, 504 past its deadline)."""
+        items, tokens = len(job.payloads), job.total_tokens
+        controls = job.controls or RequestControls()
+        state = QueueState(self._queued_items, self._queued_tokens, items, tokens)
+        refusal = self.admission.refuse(state, controls)
+        if refusal is not None:
+            reason = "refused" if refusal.status_code == 503 else "deadline"
+            for listener in self.executor.listeners:
+                on_drop = getattr(listener, "on_drop", None)
+                if on_drop is not None:
+                    on_drop(reason, items)
+            raise refusal
+        self._queued_items += items
+        self._queued_tokens += tokens
         try:
             return await self._dispatch(job)
         finally:
             self._queued_items -= items
+            self._queued_tokens -= tokens
 
     async def _dispatch(self, job: Job[P, R]) -> list[R]:
         """Without Serve, jobs go straight to the executor (which still merges concurrent calls)."""
         return await self.executor.run_one(job)
+
+
+class _CostListener:
+    """Feeds every forward pass into the replica's latency model."""
+
+    def __init__(self, cost: PassCostModel) -> None:
+        self.cost = cost
+
+    def on_pass(self, record: PassRecord) -> None:
+        self.cost.observe(record.real_tokens, record.items, record.forward_ms)

@@ -20,6 +20,7 @@ from pydantic import Field
 from ray import serve
 from ray.serve.deployment import Application
 
+from carpool.admission import RequestControls
 from carpool.config import BatchingConfig, ModelSourceConfig, ReplicaConfig, StrictModel
 from carpool.errors import RequestError
 from carpool.models import load_pretrained, size_torch_threads
@@ -156,9 +157,13 @@ class EmbeddingServer(BatchedModelServer[list[int], np.ndarray]):
             "max_length": self.model.max_length,
         }
 
-    async def embed(self, texts: list[str], truncate: bool = True) -> EmbedResult:
+    async def embed(
+        self, texts: list[str], truncate: bool = True, controls: RequestControls | None = None
+    ) -> EmbedResult:
         if not texts:
             raise RequestError(400, "no texts to embed; send at least one", param="input")
+        if controls is not None:
+            controls.check("embedder")
         # In a worker thread: a request of many long texts must not stall the replica's event
         # loop, which keeps collecting other requests meanwhile.
         ids = await asyncio.to_thread(self.model.tokenize, texts)
@@ -176,7 +181,7 @@ class EmbeddingServer(BatchedModelServer[list[int], np.ndarray]):
                 ids[i] = self.model.truncate(texts[i])
                 truncated[i] = True
         lengths = [len(s) for s in ids]
-        vectors = await self.run_job(self.make_job(ids, lengths))
+        vectors = await self.run_job(self.make_job(ids, lengths, controls))
         return EmbedResult(vectors, lengths, truncated, self.model.name)
 
 

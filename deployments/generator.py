@@ -24,6 +24,7 @@ from pydantic import Field, model_validator
 from ray import serve
 from ray.serve.deployment import Application
 
+from carpool.admission import RequestControls, deadline_exceeded
 from carpool.config import ModelSourceConfig, ReplicaConfig, StrictModel
 from carpool.errors import RequestError
 from carpool.generation.engine import (
@@ -87,6 +88,13 @@ class GeneratorBatching(StrictModel):
         ge=0,
         le=100_000,
         description="Requests queued for a slot before new ones are refused with 503.",
+    )
+    batch_tier_share: float = Field(
+        default=0.5,
+        gt=0,
+        le=1,
+        description="Fraction of max_waiting that requests of the 'batch' priority tier may "
+        "fill; the rest stays free for 'interactive' ones, which are also admitted first.",
     )
 
     @model_validator(mode="after")
@@ -362,14 +370,24 @@ class GeneratorServer:
 
     def _sequences(self, call: GenerationCall, sink: Any) -> tuple[list[GenSequence], int]:
         prompts, max_tokens = self._plan(call)
+        controls = RequestControls(call.deadline, call.priority)
+        controls.check(f"{self.name} generator")
         waiting = self.engine.num_waiting()
-        if waiting >= self.batching.max_waiting:
+        bound = self.batching.max_waiting
+        if call.priority == "batch":
+            bound = int(bound * self.batching.batch_tier_share)
+        if waiting >= bound:
             raise RequestError(
                 503,
-                f"model {self.name!r} has {waiting} requests waiting for a slot; retry later",
+                f"model {self.name!r} has {waiting} requests waiting for a slot (limit {bound} "
+                f"for {call.priority} requests); retry later",
                 code="overloaded",
+                retry_after_s=1.0,
             )
         deadline = time.monotonic() + self.batching.request_timeout_s
+        client_deadline = controls.monotonic_deadline()
+        if client_deadline is not None:
+            deadline = min(deadline, client_deadline)
         seqs = []
         for p, ids in enumerate(prompts):
             for j in range(call.n):
@@ -382,7 +400,11 @@ class GeneratorServer:
                     seed=None if call.seed is None else call.seed + index,
                     ignore_eos=call.ignore_eos,
                 )
-                seqs.append(GenSequence(ids, params, sink, index=index, deadline=deadline))
+                seqs.append(
+                    GenSequence(
+                        ids, params, sink, index=index, deadline=deadline, rank=controls.rank
+                    )
+                )
         return seqs, sum(len(p) for p in prompts)
 
     async def _submit(self, seqs: list[GenSequence]) -> None:
@@ -401,7 +423,7 @@ class GeneratorServer:
 
         seqs, prompt_tokens = self._sequences(call, sink)
         pending = len(seqs)
-        deadline = time.monotonic() + self.batching.request_timeout_s + DEADLINE_GRACE_S
+        deadline = seqs[0].deadline + DEADLINE_GRACE_S
         try:
             await self._submit(seqs)
             yield "start", prompt_tokens
@@ -409,11 +431,11 @@ class GeneratorServer:
                 try:
                     event = await asyncio.wait_for(queue.get(), deadline - time.monotonic())
                 except asyncio.TimeoutError:
-                    raise self._timeout() from None
+                    raise self._timeout(call) from None
                 if event.finish_reason is not None:
                     pending -= 1
                     if event.finish_reason == "timeout":
-                        raise self._timeout()
+                        raise self._timeout(call)
                     if event.finish_reason == "error":
                         raise RequestError(
                             503,
@@ -426,7 +448,11 @@ class GeneratorServer:
                 if not seq.finished:
                     self.engine.cancel(seq)
 
-    def _timeout(self) -> RequestError:
+    def _timeout(self, call: GenerationCall) -> RequestError:
+        # The engine's deadline is the earlier of the client's and request_timeout_s (0.5 s of
+        # slack for the monotonic and wall clocks drifting apart).
+        if call.deadline is not None and time.time() >= call.deadline - 0.5:
+            return deadline_exceeded(f"{self.name} generator")
         return RequestError(
             504,
             f"generation did not finish within {self.batching.request_timeout_s:g} s on model "

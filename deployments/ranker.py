@@ -22,6 +22,7 @@ from pydantic import Field, model_validator
 from ray import serve
 from ray.serve.deployment import Application
 
+from carpool.admission import RequestControls
 from carpool.config import BatchingConfig, ModelSourceConfig, ReplicaConfig, StrictModel
 from carpool.errors import RequestError
 from carpool.models import load_pretrained, size_torch_threads
@@ -284,14 +285,22 @@ class RankingServer(BatchedModelServer[Pair, float]):
             "max_length": self.scorer.max_length,
         }
 
-    async def rank(self, query: str, documents: list[str], truncate: bool = True) -> RankResult:
+    async def rank(
+        self,
+        query: str,
+        documents: list[str],
+        truncate: bool = True,
+        controls: RequestControls | None = None,
+    ) -> RankResult:
         if not documents:
             raise RequestError(400, "no documents to rank; send at least one", param="documents")
+        if controls is not None:
+            controls.check("ranker")
         # In a worker thread so tokenizing many documents does not stall the event loop.
         encoded = await asyncio.to_thread(self.scorer.encode, query, documents, truncate)
         pairs = [pair for pair, _ in encoded]
         lengths = [len(ids) for ids, _ in pairs]
-        scores = await self.run_job(self.make_job(pairs, lengths))
+        scores = await self.run_job(self.make_job(pairs, lengths, controls))
         return RankResult(scores, [cut for _, cut in encoded], sum(lengths), self.scorer.name)
 
 

@@ -20,6 +20,7 @@ from pydantic import Field, model_validator
 from ray import serve
 from ray.serve.deployment import Application
 
+from carpool.admission import RequestControls, await_or_cancel
 from carpool.config import StrictModel
 from carpool.errors import RequestError
 from carpool.index import Chunk, VectorIndex, chunk_text
@@ -29,7 +30,8 @@ logger = logging.getLogger(__name__)
 
 DEFAULT_CORPUS = Path(__file__).resolve().parents[1] / "carpool" / "corpus"
 
-Embed = Callable[[list[str]], Awaitable[list[np.ndarray]]]
+# embed(texts, controls=None): controls carry the request's deadline and priority.
+Embed = Callable[..., Awaitable[list[np.ndarray]]]
 
 
 class RetrieverConfig(StrictModel):
@@ -173,9 +175,14 @@ class RetrievalServer:
     async def list_documents(self) -> list[dict[str, Any]]:
         return (await self.index()).documents()
 
-    async def search(self, query: str, top_k: int) -> list[dict[str, Any]]:
+    async def search(
+        self, query: str, top_k: int, controls: RequestControls | None = None
+    ) -> list[dict[str, Any]]:
+        if controls is not None:
+            controls.check("retriever")
         index = await self.index()
-        vector = (await self._embed([query]))[0]
+        embedded = await (self._embed([query], controls) if controls else self._embed([query]))
+        vector = embedded[0]
         return [
             {
                 "doc_id": c.doc_id,
@@ -197,14 +204,16 @@ class RetrievalDeployment(RetrievalServer):
         self._handle: Any = None
         super().__init__(parsed, self._embed_remote, app_name)
 
-    async def _embed_remote(self, texts: list[str]) -> list[np.ndarray]:
+    async def _embed_remote(
+        self, texts: list[str], controls: RequestControls | None = None
+    ) -> list[np.ndarray]:
         if self._handle is None:
             # Looked up on first use: apps deploy in any order, and this one must not fail
             # to start just because the embed app is still coming up.
             self._handle = serve.get_deployment_handle(
                 self.config.embed_deployment, app_name=self.config.embed_app
             )
-        result = await self._handle.embed.remote(texts)
+        result = await await_or_cancel(self._handle.embed.remote(texts, True, controls))
         return result.vectors
 
 

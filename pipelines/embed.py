@@ -15,7 +15,13 @@ from ray.serve.handle import DeploymentHandle
 
 from carpool.config import IngressConfig, StrictModel
 from carpool.errors import RequestError
-from carpool.http import MAX_BODY_BYTES, call_backend, call_idempotent, make_api
+from carpool.http import (
+    MAX_BODY_BYTES,
+    call_backend,
+    call_idempotent,
+    current_controls,
+    make_api,
+)
 from carpool.schemas import (
     EmbeddingData,
     EmbeddingRequest,
@@ -102,7 +108,7 @@ class EmbedIngress:
                     param=f"input[{i}]",
                 )
         result: EmbedResult = await call_idempotent(
-            "embedder", lambda: self.embedder.embed.remote(texts, body.truncate)
+            "embedder", lambda: self.embedder.embed.remote(texts, body.truncate, current_controls())
         )
         tokens = sum(result.token_counts)
         response = EmbeddingResponse(

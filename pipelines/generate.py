@@ -39,7 +39,13 @@ from carpool.generation.schemas import (
     new_id,
     now,
 )
-from carpool.http import MAX_BODY_BYTES, call_backend, error_response, make_api
+from carpool.http import (
+    MAX_BODY_BYTES,
+    call_backend,
+    current_controls,
+    error_response,
+    make_api,
+)
 from deployments.generator import (
     DEFAULT_LARGE,
     DEFAULT_SMALL,
@@ -108,6 +114,14 @@ def _with_decision(body: dict[str, Any], record: dict[str, Any] | None) -> JSONR
     return JSONResponse(body, headers=decision_headers(record))
 
 
+def with_controls(call: GenerationCall) -> dict[str, Any]:
+    """The call as sent downstream, with this request's deadline and priority."""
+    controls = current_controls()
+    return call.model_copy(
+        update={"deadline": controls.deadline, "priority": controls.priority}
+    ).model_dump()
+
+
 def _usage(counts: dict[str, Any]) -> UsageInfo:
     prompt, completion = counts["prompt_tokens"], counts["completion_tokens"]
     return UsageInfo(
@@ -159,7 +173,7 @@ class GenerateIngress:
     @api.post("/v1/completions", response_model=CompletionResponse)
     async def completions(self, body: CompletionRequest) -> Any:
         tier, handle, model = self._route(body.model)
-        call = GenerationCall.from_completion(body).model_dump()
+        call = with_controls(GenerationCall.from_completion(body))
         if body.stream:
             return await self._stream(
                 tier, handle, call, self._completion_chunks(model, body.include_usage())
@@ -212,7 +226,7 @@ class GenerateIngress:
     @api.post("/v1/chat/completions", response_model=ChatCompletionResponse)
     async def chat_completions(self, body: ChatCompletionRequest) -> Any:
         tier, handle, model = self._route(body.model)
-        call = GenerationCall.from_chat(body).model_dump()
+        call = with_controls(GenerationCall.from_chat(body))
         if body.stream:
             return await self._stream(
                 tier, handle, call, self._chat_chunks(model, body.n, body.include_usage())

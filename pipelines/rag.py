@@ -23,7 +23,7 @@ from ray.serve.handle import DeploymentHandle
 
 from carpool.config import IngressConfig, StrictModel
 from carpool.errors import RequestError
-from carpool.http import MAX_BODY_BYTES, call_backend, make_api
+from carpool.http import MAX_BODY_BYTES, call_backend, current_controls, make_api
 from carpool.schemas import IngestRequest, IngestResponse, SearchHit, SearchRequest
 from pipelines.search import DocumentRoutes, retrieve_and_rerank
 
@@ -167,6 +167,8 @@ class RagIngress(DocumentRoutes):
             "max_tokens": max_tokens,
             "temperature": body.temperature or 0.0,
             "top_p": body.top_p or 1.0,
+            "deadline": current_controls().deadline,
+            "priority": current_controls().priority,
         }
         return hits, call
 
@@ -225,8 +227,9 @@ class RagIngress(DocumentRoutes):
             return f"data: {json.dumps(body)}\n\n"
 
         finish = "stop"
+        events = self._generator().options(stream=True).stream.remote(call)
+        finished = False
         try:
-            events = self._generator().options(stream=True).stream.remote(call)
             async for event in events:
                 if event["type"] == "start":
                     model = event["model"]
@@ -236,10 +239,16 @@ class RagIngress(DocumentRoutes):
                         yield chunk({"content": event["text"]})
                     if event["finish_reason"] is not None:
                         finish = event["finish_reason"]
+            finished = True
             yield chunk({"content": citation_suffix(ids)}, finish, citations=ids)
         except Exception as exc:  # headers are gone: report in-band, as OpenAI streams do
             message = str(exc.message) if isinstance(exc, RequestError) else "generation failed"
             yield f"data: {json.dumps({'error': {'message': message}})}\n\n"
+        finally:
+            if not finished:
+                # The client left or the stream broke: free the generator's slot (through the
+                # router) instead of generating for no one.
+                events.cancel()
         yield "data: [DONE]\n\n"
 
     @api.post("/v1/documents", response_model=IngestResponse)

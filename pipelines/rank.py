@@ -10,7 +10,13 @@ from ray.serve.handle import DeploymentHandle
 
 from carpool.config import IngressConfig, StrictModel
 from carpool.errors import RequestError
-from carpool.http import MAX_BODY_BYTES, call_backend, call_idempotent, make_api
+from carpool.http import (
+    MAX_BODY_BYTES,
+    call_backend,
+    call_idempotent,
+    current_controls,
+    make_api,
+)
 from carpool.schemas import (
     ModelCard,
     ModelList,
@@ -72,7 +78,8 @@ class RankIngress:
                     param=where,
                 )
         result: RankResult = await call_idempotent(
-            "ranker", lambda: self.ranker.rank.remote(body.query, docs, body.truncate)
+            "ranker",
+            lambda: self.ranker.rank.remote(body.query, docs, body.truncate, current_controls()),
         )
         order = sorted(range(len(docs)), key=lambda i: -result.scores[i])
         if body.top_n is not None:

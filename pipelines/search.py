@@ -15,7 +15,13 @@ from ray.serve.handle import DeploymentHandle
 
 from carpool.config import IngressConfig, StrictModel
 from carpool.errors import RequestError
-from carpool.http import MAX_BODY_BYTES, call_backend, call_idempotent, make_api
+from carpool.http import (
+    MAX_BODY_BYTES,
+    call_backend,
+    call_idempotent,
+    current_controls,
+    make_api,
+)
 from carpool.schemas import (
     IngestRequest,
     IngestResponse,
@@ -83,8 +89,9 @@ async def retrieve_and_rerank(
     rerank_weight: float,
 ) -> list[SearchHit]:
     """The search DAG; the RAG pipeline runs the same stages before generating."""
+    controls = current_controls()
     chunks = await call_idempotent(
-        "retriever", lambda: retriever.search.remote(body.query, body.top_k)
+        "retriever", lambda: retriever.search.remote(body.query, body.top_k, controls)
     )
     if not chunks:
         return []
@@ -94,7 +101,7 @@ async def retrieve_and_rerank(
     if ranker is not None and rerank_weight > 0:
         texts = [c["text"] for c in chunks]
         ranked = await call_idempotent(
-            "ranker", lambda: ranker.rank.remote(body.query, texts, True)
+            "ranker", lambda: ranker.rank.remote(body.query, texts, True, controls)
         )
         rerank = [sigmoid(s) for s in ranked.scores]
         # z-scores put both on one scale; the weights then say whose opinion counts more.

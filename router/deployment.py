@@ -24,6 +24,7 @@ from typing import Any, Literal, Protocol
 
 from pydantic import Field, model_validator
 
+from carpool.admission import await_or_cancel, deadline_exceeded
 from carpool.config import StrictModel
 from router.choice import (
     LARGE,
@@ -134,7 +135,10 @@ class _Gate:
     # One FIFO lane (lanes disabled): admit in arrival order, not shortest-predicted first.
     fifo: bool = False
 
-    async def enter(self, predicted: float, tier: Tier) -> None:
+    async def enter(self, predicted: float, tier: Tier, deadline: float | None = None) -> None:
+        """Waits for a slot; past ``deadline`` (time.time()) it gives up with 504."""
+        if deadline is not None and deadline <= time.time():
+            raise deadline_exceeded("router")
         self.queued_tokens += predicted
         if self.in_flight < self.limit and not len(self.queue):
             self.in_flight += 1
@@ -142,12 +146,19 @@ class _Gate:
         future: asyncio.Future[None] = asyncio.get_running_loop().create_future()
         self.queue.push(future, 0.0 if self.fifo else predicted, time.monotonic(), tier)
         try:
-            await future
-        except asyncio.CancelledError:
+            if deadline is None:
+                await future
+            else:
+                # shield: a timeout must not cancel the future behind leave()'s back.
+                await asyncio.wait_for(asyncio.shield(future), deadline - time.time())
+        except (asyncio.CancelledError, asyncio.TimeoutError) as exc:
             if future.done() and not future.cancelled():
                 self.leave(predicted)  # admitted just as the caller left: give the slot back
             else:
+                future.cancel()  # leave() skips it
                 self.queued_tokens = max(0.0, self.queued_tokens - predicted)
+            if isinstance(exc, asyncio.TimeoutError):
+                raise deadline_exceeded("router") from None
             raise
 
     def leave(self, predicted: float) -> None:
@@ -240,7 +251,7 @@ class RouterServer:
         target = lane.target or model
         gate = self.gates.get(target) or self.gates[model]
         waited = time.monotonic()
-        await gate.enter(predicted, tier)
+        await gate.enter(predicted, tier, call.get("deadline"))
         queue_ms = (time.monotonic() - waited) * 1000
         started = time.monotonic()
         try:
@@ -258,8 +269,9 @@ class RouterServer:
         return result
 
     async def generate(
-        self, call: dict[str, Any], requested: str = "auto", tier: Tier = "interactive"
+        self, call: dict[str, Any], requested: str = "auto", tier: Tier | None = None
     ) -> dict[str, Any]:
+        tier = tier or call.get("priority") or "interactive"
         features = self.features(call)
         predicted = self.predictor.predict(features)
         lane = self.lanes.assign(predicted)
@@ -294,9 +306,10 @@ class RouterServer:
         return result
 
     async def stream(
-        self, call: dict[str, Any], requested: str = "auto", tier: Tier = "interactive"
+        self, call: dict[str, Any], requested: str = "auto", tier: Tier | None = None
     ) -> AsyncIterator[dict[str, Any]]:
         """Streams when no cascade is needed; a cascade answers once the small one is judged."""
+        tier = tier or call.get("priority") or "interactive"
         features = self.features(call)
         predicted = self.predictor.predict(features)
         lane = self.lanes.assign(predicted)
@@ -325,7 +338,7 @@ class RouterServer:
         target = lane.target or decision.model
         gate = self.gates.get(target) or self.gates[decision.model]
         waited = time.monotonic()
-        await gate.enter(predicted, tier)
+        await gate.enter(predicted, tier, call.get("deadline"))
         record = {
             "model": decision.model,
             "lane": lane.name,
@@ -406,11 +419,18 @@ class _HandleClient:
         self.handle = handle
 
     async def generate(self, call: dict[str, Any]) -> dict[str, Any]:
-        return await self.handle.generate.remote(call)
+        return await await_or_cancel(self.handle.generate.remote(call))
 
     async def stream(self, call: dict[str, Any]) -> AsyncIterator[dict[str, Any]]:
-        async for event in self.handle.options(stream=True).stream.remote(call):
-            yield event
+        events = self.handle.options(stream=True).stream.remote(call)
+        finished = False
+        try:
+            async for event in events:
+                yield event
+            finished = True
+        finally:
+            if not finished:  # our caller left: free the generator's slot too
+                events.cancel()
 
 
 class RouterDeployment(RouterServer):

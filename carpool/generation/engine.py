@@ -86,6 +86,7 @@ class GenSequence:
         sink: Callable[[SeqEvent], None],
         index: int = 0,
         deadline: float | None = None,
+        rank: int = 0,
     ) -> None:
         if not prompt_ids:
             raise ValueError("a sequence needs at least one prompt token")
@@ -95,6 +96,7 @@ class GenSequence:
         self.sink = sink
         self.index = index
         self.deadline = deadline  # time.monotonic() after which the engine drops it
+        self.rank = rank  # priority tier: 0 interactive is admitted before 1 batch
         self.sampler = SamplerState(params)
         self.output_ids: list[int] = []
         self.output_logprobs: list[float] = []
@@ -399,7 +401,7 @@ class ContinuousEngine(GenerationEngine):
         tokenizer: TokenizerInfo,
         limits: SchedulerLimits,
         max_seq_len: int,
-        queue_policy: str = "fcfs",
+        queue_policy: str = "priority",
     ) -> None:
         super().__init__(tokenizer, limits, max_seq_len)
         self.runner = runner
@@ -721,7 +723,7 @@ def make_engine(
     limits: SchedulerLimits,
     max_seq_len: int,
     block_size: int = 64,
-    queue_policy: str = "fcfs",
+    queue_policy: str = "priority",
 ) -> GenerationEngine:
     """The one place that picks an engine by name."""
     if mode == "continuous":

@@ -93,12 +93,56 @@ class FCFSQueue(RequestQueue[S]):
         return iter(list(self._q))
 
 
-QUEUE_POLICIES = ("fcfs",)
+class PriorityQueue(RequestQueue[S]):
+    """Lower ``rank`` first (interactive 0 before batch 1), first come first served within one.
+
+    A sequence without a ``rank`` attribute counts as interactive, so with one tier this is
+    exactly FCFS.
+    """
+
+    def __init__(self) -> None:
+        self._tiers: dict[int, deque[S]] = {}
+
+    def _first(self) -> deque[S]:
+        for rank in sorted(self._tiers):
+            if self._tiers[rank]:
+                return self._tiers[rank]
+        raise IndexError("the queue is empty")
+
+    def add(self, seq: S) -> None:
+        self._tiers.setdefault(getattr(seq, "rank", 0), deque()).append(seq)
+
+    def peek(self) -> S:
+        return self._first()[0]
+
+    def pop(self) -> S:
+        return self._first().popleft()
+
+    def remove(self, seq: S) -> bool:
+        tier = self._tiers.get(getattr(seq, "rank", 0))
+        if tier is None:
+            return False
+        try:
+            tier.remove(seq)
+        except ValueError:
+            return False
+        return True
+
+    def __len__(self) -> int:
+        return sum(len(t) for t in self._tiers.values())
+
+    def __iter__(self) -> Iterator[S]:
+        return iter([seq for rank in sorted(self._tiers) for seq in self._tiers[rank]])
+
+
+QUEUE_POLICIES = ("fcfs", "priority")
 
 
 def create_request_queue(policy: str) -> RequestQueue:
     if policy == "fcfs":
         return FCFSQueue()
+    if policy == "priority":
+        return PriorityQueue()
     raise ValueError(f"unknown queue policy {policy!r}; choose one of {QUEUE_POLICIES}")
 
 

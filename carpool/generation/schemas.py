@@ -230,6 +230,9 @@ class GenerationCall(BaseModel):
     stop: list[str] = Field(default_factory=list)
     seed: int | None = None
     ignore_eos: bool = False
+    # From the HTTP request's x-carpool-deadline-ms / x-carpool-priority headers.
+    deadline: float | None = None  # time.time() seconds
+    priority: Literal["interactive", "batch"] = "interactive"
 
     @classmethod
     def from_completion(cls, body: CompletionRequest) -> GenerationCall:

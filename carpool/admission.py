@@ -1,0 +1,288 @@
+"""Admission control: deadlines, priority tiers and queue bounds (pure, no Ray).
+
+A request carries ``RequestControls`` from its HTTP ingress to every stage: an absolute
+deadline (wall-clock seconds, so it survives a hop to another process or node) and a
+priority tier. Each model replica asks an ``AdmissionPolicy`` whether to take a job, given
+what it already holds and a ``PassCostModel`` fitted to its own recent forward passes
+(BentoML's adaptive batcher does the same: a linear latency model refuses work that cannot
+finish in time). Refusals are fast and carry a status that tells the client what happened:
+503 + Retry-After when the replica is full, 504 when the deadline has passed or cannot be
+met.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import math
+import time
+from abc import ABC, abstractmethod
+from collections.abc import Awaitable
+from dataclasses import dataclass
+from typing import Any, Literal, TypeVar
+
+from carpool.errors import RequestError
+
+T = TypeVar("T")
+Priority = Literal["interactive", "batch"]
+PRIORITIES: tuple[Priority, ...] = ("interactive", "batch")
+# Lower runs first; the executor and the generators' waiting queues order by it.
+PRIORITY_RANK: dict[str, int] = {"interactive": 0, "batch": 1}
+
+DEADLINE_HEADER = "x-carpool-deadline-ms"
+PRIORITY_HEADER = "x-carpool-priority"
+# A budget longer than a day is a client bug (seconds sent as ms?), not a deadline.
+MAX_DEADLINE_MS = 86_400_000
+
+
+@dataclass(frozen=True)
+class RequestControls:
+    """What a client asked for beyond its payload: when it stops caring, and how urgent it is."""
+
+    deadline: float | None = None  # time.time() seconds; None = no deadline
+    priority: Priority = "interactive"
+
+    @property
+    def rank(self) -> int:
+        return PRIORITY_RANK[self.priority]
+
+    def remaining_s(self, now: float | None = None) -> float | None:
+        if self.deadline is None:
+            return None
+        return self.deadline - (time.time() if now is None else now)
+
+    def expired(self, now: float | None = None) -> bool:
+        remaining = self.remaining_s(now)
+        return remaining is not None and remaining <= 0
+
+    def monotonic_deadline(self) -> float | None:
+        """The deadline on this process's monotonic clock (what timers and queues use)."""
+        remaining = self.remaining_s()
+        return None if remaining is None else time.monotonic() + remaining
+
+    def check(self, stage: str) -> None:
+        """Raises 504 if the deadline has passed, so no compute is spent on the request."""
+        if self.expired():
+            raise deadline_exceeded(stage)
+
+
+async def await_or_cancel(call: Awaitable[T]) -> T:
+    """Awaits a downstream call (a Serve DeploymentResponse) and cancels it if we are cancelled.
+
+    Awaiting a response in a task that gets cancelled does not stop the downstream replica's
+    work; cancelling the response does, so a client that leaves frees every stage below.
+    """
+    try:
+        return await call
+    except asyncio.CancelledError:
+        cancel: Any = getattr(call, "cancel", None)
+        if cancel is not None:
+            cancel()
+        raise
+
+
+def deadline_exceeded(stage: str) -> RequestError:
+    return RequestError(
+        504,
+        f"the request's deadline passed before the {stage} stage could answer; send a larger "
+        f"{DEADLINE_HEADER} budget or retry when the service is less busy",
+        code="deadline_exceeded",
+    )
+
+
+def parse_controls(
+    deadline_ms: str | None,
+    priority: str | None,
+    default_deadline_ms: float | None = None,
+    now: float | None = None,
+) -> RequestControls:
+    """Reads the two headers; a bad value is the client's error (400), never ignored."""
+    now = time.time() if now is None else now
+    budget_ms: float | None = default_deadline_ms
+    if deadline_ms is not None and deadline_ms.strip():
+        try:
+            budget_ms = float(deadline_ms)
+        except ValueError:
+            budget_ms = math.nan
+        if not math.isfinite(budget_ms) or budget_ms < 0 or budget_ms > MAX_DEADLINE_MS:
+            raise RequestError(
+                400,
+                f"header {DEADLINE_HEADER} is {deadline_ms[:40]!r}; send the time budget in "
+                f"milliseconds, a number from 0 to {MAX_DEADLINE_MS}",
+                param=DEADLINE_HEADER,
+            )
+    tier = (priority or "interactive").strip().lower()
+    if tier not in PRIORITIES:
+        raise RequestError(
+            400,
+            f"header {PRIORITY_HEADER} is {priority[:40] if priority else priority!r}; send one "
+            f"of {', '.join(PRIORITIES)}",
+            param=PRIORITY_HEADER,
+        )
+    deadline = None if budget_ms is None else now + budget_ms / 1000
+    return RequestControls(deadline=deadline, priority=tier)  # type: ignore[arg-type]
+
+
+class PassCostModel:
+    """Forward-pass latency as ``fixed_ms + ms_per_token x tokens``, fitted online.
+
+    Exponentially weighted least squares over recent passes, so it follows a replica that
+    slows down (a neighbour on its core) without remembering its cold start forever.
+    """
+
+    def __init__(self, decay: float = 0.97, min_passes: int = 5) -> None:
+        self.decay = decay
+        self.min_passes = min_passes
+        self.passes = 0
+        self._w = self._x = self._y = self._xx = self._xy = 0.0
+        self.fixed_ms = 0.0
+        self.ms_per_token = 0.0
+        self.mean_pass_items = 1.0
+
+    def observe(self, tokens: int, items: int, ms: float) -> None:
+        d = self.decay
+        self._w = d * self._w + 1
+        self._x = d * self._x + tokens
+        self._y = d * self._y + ms
+        self._xx = d * self._xx + tokens * tokens
+        self._xy = d * self._xy + tokens * ms
+        self.mean_pass_items = (
+            items if self.passes == 0 else 0.9 * self.mean_pass_items + 0.1 * items
+        )
+        self.passes += 1
+        mean_x, mean_y = self._x / self._w, self._y / self._w
+        var = self._xx / self._w - mean_x * mean_x
+        if var > 1e-9:
+            slope = (self._xy / self._w - mean_x * mean_y) / var
+        else:
+            slope = mean_y / mean_x if mean_x else 0.0
+        slope = max(slope, 0.0)
+        intercept = mean_y - slope * mean_x
+        if intercept < 0:  # all passes alike in size: attribute everything to tokens
+            intercept, slope = 0.0, (mean_y / mean_x if mean_x else 0.0)
+        self.fixed_ms, self.ms_per_token = intercept, slope
+
+    @property
+    def ready(self) -> bool:
+        return self.passes >= self.min_passes
+
+    def estimate_ms(self, items: int, tokens: int) -> float:
+        """Time to run ``items`` items of ``tokens`` real tokens in total, in passes."""
+        if not self.ready or items <= 0:
+            return 0.0
+        passes = math.ceil(items / max(self.mean_pass_items, 1.0))
+        return passes * self.fixed_ms + tokens * self.ms_per_token
+
+
+@dataclass
+class QueueState:
+    """What a replica holds now (queued or running), and what a new job would add."""
+
+    queued_items: int
+    queued_tokens: int
+    items: int
+    tokens: int
+
+
+@dataclass
+class AdmissionLimits:
+    max_queued_items: int
+    max_queue_delay_ms: float | None
+    batch_tier_share: float
+
+
+class AdmissionPolicy(ABC):
+    """Decides whether a replica takes a job now; ``None`` means yes."""
+
+    def __init__(self, limits: AdmissionLimits, cost: PassCostModel) -> None:
+        self.limits = limits
+        self.cost = cost
+
+    @abstractmethod
+    def refuse(self, state: QueueState, controls: RequestControls) -> RequestError | None:
+        """The error to answer with, or None to admit."""
+
+    def _share(self, controls: RequestControls) -> float:
+        # The batch tier may only fill part of the bounds: the rest stays free for interactive
+        # requests, so bulk work never pushes them into refusals.
+        return 1.0 if controls.priority == "interactive" else self.limits.batch_tier_share
+
+    def _bounded(self, state: QueueState, controls: RequestControls) -> RequestError | None:
+        bound = max(1, int(self.limits.max_queued_items * self._share(controls)))
+        # An empty replica always admits, so a request larger than the bound is not starved.
+        if state.queued_items and state.queued_items + state.items > bound:
+            return RequestError(
+                503,
+                f"this replica already holds {state.queued_items} items (limit {bound} for "
+                f"{controls.priority} requests); retry after the Retry-After delay or send "
+                "fewer items",
+                code="overloaded",
+                retry_after_s=self._drain_s(state),
+            )
+        return None
+
+    def _drain_s(self, state: QueueState) -> float:
+        estimate = self.cost.estimate_ms(state.queued_items, state.queued_tokens)
+        return max(estimate / 1000, 0.1)
+
+    def _deadline(self, state: QueueState, controls: RequestControls) -> RequestError | None:
+        remaining = controls.remaining_s()
+        if remaining is None:
+            return None
+        if remaining <= 0:
+            return deadline_exceeded("model")
+        finish_ms = self.cost.estimate_ms(
+            state.queued_items + state.items, state.queued_tokens + state.tokens
+        )
+        if finish_ms > remaining * 1000:
+            return RequestError(
+                504,
+                f"this replica expects to need {finish_ms:.0f} ms for the work ahead of this "
+                f"request, more than the {remaining * 1000:.0f} ms left of its deadline; send "
+                f"a larger {DEADLINE_HEADER} budget or retry later",
+                code="deadline_unmeetable",
+            )
+        return None
+
+
+class BoundedAdmission(AdmissionPolicy):
+    """Refuses past a number of held items (and refuses what cannot meet its deadline)."""
+
+    def refuse(self, state: QueueState, controls: RequestControls) -> RequestError | None:
+        return self._deadline(state, controls) or self._bounded(state, controls)
+
+
+class LatencyAdmission(AdmissionPolicy):
+    """Also refuses when the estimated queue delay passes ``max_queue_delay_ms``.
+
+    Bounding the wait, not the count, is what keeps accepted requests' latency flat under
+    overload whatever their lengths: 4096 short texts and 4096 long ones differ 50x in time.
+    """
+
+    def refuse(self, state: QueueState, controls: RequestControls) -> RequestError | None:
+        found = self._deadline(state, controls) or self._bounded(state, controls)
+        if found is not None or self.limits.max_queue_delay_ms is None or not state.queued_items:
+            return found
+        delay_ms = self.cost.estimate_ms(state.queued_items, state.queued_tokens)
+        bound_ms = self.limits.max_queue_delay_ms * self._share(controls)
+        if delay_ms > bound_ms:
+            return RequestError(
+                503,
+                f"this replica's queue is about {delay_ms:.0f} ms deep (limit {bound_ms:.0f} "
+                f"ms for {controls.priority} requests); retry after the Retry-After delay",
+                code="overloaded",
+                retry_after_s=delay_ms / 1000,
+            )
+        return None
+
+
+ADMISSION_POLICIES = ("bounded", "latency")
+
+
+def make_admission_policy(
+    name: str, limits: AdmissionLimits, cost: PassCostModel
+) -> AdmissionPolicy:
+    if name == "bounded":
+        return BoundedAdmission(limits, cost)
+    if name == "latency":
+        return LatencyAdmission(limits, cost)
+    raise ValueError(f"unknown admission policy {name!r}; choose one of {ADMISSION_POLICIES}")

@@ -1,0 +1,201 @@
+"""Deadlines, priority tiers and latency-based admission, without Ray."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+import numpy as np
+import pytest
+from fastapi.testclient import TestClient
+
+from carpool.admission import (
+    AdmissionLimits,
+    LatencyAdmission,
+    PassCostModel,
+    QueueState,
+    RequestControls,
+    parse_controls,
+)
+from carpool.batching import BatchLimits, Job, LengthAwareExecutor, make_splitter
+from carpool.errors import RequestError
+from carpool.generation.scheduler import PriorityQueue
+from carpool.http import call_backend, current_controls, make_api
+from deployments.embedder import EmbedderConfig, EmbeddingServer
+from router.deployment import _Gate
+from router.lanes import ShortestFirstQueue
+
+
+class _CountingModel:
+    """Embeds with a fixed cost per pass and records every text it computed."""
+
+    name = "counting"
+    max_length = 64
+    dimension = 2
+
+    def __init__(self, pass_s: float = 0.05) -> None:
+        self.pass_s = pass_s
+        self.computed: list[int] = []
+
+    def tokenize(self, texts: list[str]) -> list[list[int]]:
+        return [[int(t)] * 4 for t in texts]
+
+    def truncate(self, text: str) -> list[int]:
+        return [1] * 4
+
+    def embed_ids(self, batch: list[list[int]]) -> list[np.ndarray]:
+        time.sleep(self.pass_s)
+        self.computed.extend(ids[0] for ids in batch)
+        return [np.ones(2, dtype=np.float32) for _ in batch]
+
+
+def test_headers_parse_into_controls_and_bad_values_are_400() -> None:
+    now = 1000.0
+    c = parse_controls("250", "batch", now=now)
+    assert c.deadline == pytest.approx(1000.25) and c.priority == "batch" and c.rank == 1
+    assert parse_controls(None, None, default_deadline_ms=1000, now=now).deadline == 1001.0
+    assert parse_controls(None, None, now=now) == RequestControls()
+    assert parse_controls("0", None, now=now).expired(now)
+    for bad_deadline, bad_priority in [("soon", None), ("-5", None), ("nan", None), (None, "vip")]:
+        with pytest.raises(RequestError) as info:
+            parse_controls(bad_deadline, bad_priority, now=now)
+        assert info.value.status_code == 400 and "x-carpool-" in info.value.message
+
+
+def test_cost_model_recovers_a_linear_pass_cost() -> None:
+    cost = PassCostModel()
+    assert cost.estimate_ms(10, 1000) == 0.0  # not enough passes seen: no guesses
+    for tokens in [100, 400, 200, 800, 50, 600, 300]:
+        cost.observe(tokens, items=8, ms=7.0 + 0.2 * tokens)
+    assert cost.fixed_ms == pytest.approx(7.0, abs=0.01)
+    assert cost.ms_per_token == pytest.approx(0.2, abs=1e-4)
+    assert cost.estimate_ms(16, 1000) == pytest.approx(2 * 7.0 + 200, rel=0.05)
+
+
+def test_latency_admission_keeps_room_for_interactive_and_refuses_unmeetable_deadlines() -> None:
+    cost = PassCostModel(min_passes=1)
+    cost.observe(100, 10, 100.0)  # ~1 ms per token
+    policy = LatencyAdmission(AdmissionLimits(10_000, 500.0, 0.5), cost)
+    state = QueueState(queued_items=30, queued_tokens=300, items=1, tokens=10)  # ~300 ms ahead
+    assert policy.refuse(state, RequestControls()) is None
+    batch = policy.refuse(state, RequestControls(priority="batch"))  # its bound is 250 ms
+    assert batch is not None and batch.status_code == 503 and batch.retry_after_s
+    tight = RequestControls(deadline=time.time() + 0.1)
+    refused = policy.refuse(state, tight)
+    assert refused is not None and refused.status_code == 504
+    assert refused.code == "deadline_unmeetable"
+    assert policy.refuse(state, RequestControls(deadline=time.time() + 5)) is None
+
+
+def test_expired_items_are_dropped_before_the_forward_pass() -> None:
+    model = _CountingModel(pass_s=0.2)
+    server = EmbeddingServer(EmbedderConfig(), model)
+
+    async def main() -> list:
+        first = asyncio.create_task(server.embed(["1"]))
+        await asyncio.sleep(0.02)  # the first pass is running now
+        late = server.embed(["2"], controls=RequestControls(deadline=time.time() + 0.05))
+        fine = server.embed(["3"], controls=RequestControls(deadline=time.time() + 5))
+        return await asyncio.gather(first, late, fine, return_exceptions=True)
+
+    first, late, fine = asyncio.run(main())
+    assert not isinstance(first, BaseException) and not isinstance(fine, BaseException)
+    assert isinstance(late, RequestError) and late.status_code == 504
+    assert 2 not in model.computed and sorted(model.computed) == [1, 3]
+    assert server.stats()["deadline_dropped_items"] == 1
+    with pytest.raises(RequestError) as info:  # already past: refused at the door
+        asyncio.run(server.embed(["4"], controls=RequestControls(deadline=time.time() - 1)))
+    assert info.value.status_code == 504 and 4 not in model.computed
+
+
+def test_interactive_jobs_are_taken_before_batch_jobs_that_came_first() -> None:
+    order: list[int] = []
+
+    def forward(payloads: list[int]) -> list[int]:
+        time.sleep(0.05)
+        order.extend(payloads)
+        return payloads
+
+    limits = BatchLimits(1, 1024)
+    executor: LengthAwareExecutor[int, int] = LengthAwareExecutor(
+        forward, make_splitter("optimal", 1024, 1, 0), max_step_items=1
+    )
+
+    def job(value: int, rank: int) -> Job[int, int]:
+        j: Job[int, int] = Job([value], [4], limits)
+        j.rank = rank
+        return j
+
+    async def main() -> None:
+        running = asyncio.create_task(executor.run([job(0, 0)]))
+        await asyncio.sleep(0.01)
+        batch = [asyncio.create_task(executor.run([job(v, 1)])) for v in (1, 2)]
+        await asyncio.sleep(0)
+        interactive = asyncio.create_task(executor.run([job(3, 0)]))
+        await asyncio.gather(running, *batch, interactive)
+
+    asyncio.run(main())
+    assert order == [0, 3, 1, 2]
+
+
+def test_priority_queue_admits_interactive_first_then_fcfs() -> None:
+    class Seq:
+        def __init__(self, name: str, rank: int) -> None:
+            self.name, self.rank = name, rank
+
+    q: PriorityQueue = PriorityQueue()
+    for name, rank in [("b1", 1), ("i1", 0), ("b2", 1), ("i2", 0)]:
+        q.add(Seq(name, rank))
+    assert [s.name for s in q] == ["i1", "i2", "b1", "b2"]
+    assert q.pop().name == "i1" and len(q) == 3
+
+
+def test_router_gate_gives_up_at_the_deadline_and_keeps_its_accounting() -> None:
+    async def main() -> None:
+        gate = _Gate(1, ShortestFirstQueue(50.0))
+        await gate.enter(10, "interactive")  # holds the only slot
+        with pytest.raises(RequestError) as info:
+            await gate.enter(10, "interactive", deadline=time.time() + 0.05)
+        assert info.value.status_code == 504
+        gate.leave(10)
+        assert gate.in_flight == 0 and gate.queued_tokens == 0
+        await asyncio.wait_for(gate.enter(10, "batch", deadline=time.time() + 1), 1)
+        assert gate.in_flight == 1
+
+    asyncio.run(main())
+
+
+def test_ingress_reads_headers_and_times_out_downstream_calls_with_504() -> None:
+    api = make_api("t", "t", 1024)
+    cancelled: list[bool] = []
+
+    class SlowCall:
+        """Stands in for a DeploymentResponse: awaitable and cancellable."""
+
+        def __await__(self):  # type: ignore[no-untyped-def]
+            return asyncio.sleep(5).__await__()
+
+        def cancel(self) -> None:
+            cancelled.append(True)
+
+    @api.get("/v1/slow")
+    async def slow() -> dict:
+        await call_backend("model", SlowCall())
+        return {"ok": True}
+
+    @api.get("/v1/echo")
+    async def echo() -> dict:
+        c = current_controls()
+        return {"priority": c.priority, "has_deadline": c.deadline is not None}
+
+    client = TestClient(api)
+    assert client.get("/v1/echo").json() == {"priority": "interactive", "has_deadline": False}
+    got = client.get("/v1/echo", headers={"x-carpool-priority": "batch"}).json()
+    assert got == {"priority": "batch", "has_deadline": False}
+    started = time.monotonic()
+    r = client.get("/v1/slow", headers={"x-carpool-deadline-ms": "200"})
+    assert r.status_code == 504 and r.json()["error"]["code"] == "deadline_exceeded"
+    assert time.monotonic() - started < 2 and cancelled == [True]
+    assert client.get("/v1/echo", headers={"x-carpool-deadline-ms": "0"}).status_code == 504
+    bad = client.get("/v1/echo", headers={"x-carpool-priority": "urgent"})
+    assert bad.status_code == 400 and "interactive" in bad.json()["error"]["message"]
