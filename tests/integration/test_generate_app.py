@@ -278,3 +278,51 @@ def test_disconnecting_a_stream_frees_its_slot(app: str) -> None:
     # The replica is fine and serves the next request.
     r = httpx.post(f"{app}/v1/completions", json={"prompt": "a", "max_tokens": 2}, timeout=60)
     assert r.status_code == 200
+
+
+def _engine_totals(app: str) -> dict[str, float]:
+    stats = httpx.get(f"{app}/v1/stats", timeout=30).json()
+    models = [stats[name] for name in ("small", "large") if name in stats]
+    keys = ("running", "output_tokens", "tokens_generated", "finished_cancelled")
+    return {k: sum(m.get(k, 0) for m in models) for k in keys}
+
+
+def _wait_idle(app: str, before: dict[str, float]) -> dict[str, float]:
+    deadline = time.monotonic() + 30
+    stats = _engine_totals(app)
+    while stats["running"] > 0:
+        assert time.monotonic() < deadline, stats
+        time.sleep(0.2)
+        stats = _engine_totals(app)
+    return stats
+
+
+def test_a_deadline_stops_generation_through_the_router_with_504(app: str) -> None:
+    before = _engine_totals(app)
+    body = {"model": "auto", "prompt": PROMPT, "max_tokens": 3000, "ignore_eos": True}
+    started = time.monotonic()
+    r = httpx.post(
+        f"{app}/v1/completions",
+        json=body,
+        headers={"x-carpool-deadline-ms": "1500"},
+        timeout=60,
+    )
+    took = time.monotonic() - started
+    assert r.status_code == 504, r.text
+    assert r.json()["error"]["code"] == "deadline_exceeded"
+    assert took < 6, f"504 after {took:.1f} s for a 1.5 s deadline"
+    after = _wait_idle(app, before)
+    assert after["tokens_generated"] - before["tokens_generated"] < 3000
+
+
+def test_a_client_leaving_a_routed_request_frees_the_generator_slot(app: str) -> None:
+    """Ingress -> router -> generator: the disconnect cancels all the way down."""
+    before = _engine_totals(app)
+    body = {"model": "auto", "prompt": PROMPT, "max_tokens": 3000, "ignore_eos": True}
+    with pytest.raises(httpx.TimeoutException):
+        httpx.post(f"{app}/v1/completions", json=body, timeout=1.5)
+    after = _wait_idle(app, before)
+    assert after["finished_cancelled"] > before["finished_cancelled"], (before, after)
+    assert after["tokens_generated"] - before["tokens_generated"] < 3000
+    r = httpx.post(f"{app}/v1/completions", json={"prompt": "a", "max_tokens": 2}, timeout=60)
+    assert r.status_code == 200
