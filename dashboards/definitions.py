@@ -331,6 +331,16 @@ CAPACITY = Dashboard(
             unit="reqps",
         ),
         Panel(
+            "Items dropped before compute/s (refused 503, deadline 504, client cancelled)",
+            [
+                Target(
+                    "sum by (deployment, reason) "
+                    f"(rate(ray_carpool_dropped_items_total{{{DEP}}}[5m]))",
+                    "{{deployment}} {{reason}}",
+                )
+            ],
+        ),
+        Panel(
             "Replica starts",
             [
                 Target(

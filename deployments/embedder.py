@@ -162,8 +162,7 @@ class EmbeddingServer(BatchedModelServer[list[int], np.ndarray]):
     ) -> EmbedResult:
         if not texts:
             raise RequestError(400, "no texts to embed; send at least one", param="input")
-        if controls is not None:
-            controls.check("embedder")
+        self.check_deadline(controls, "embedder", len(texts))
         # In a worker thread: a request of many long texts must not stall the replica's event
         # loop, which keeps collecting other requests meanwhile.
         ids = await asyncio.to_thread(self.model.tokenize, texts)

@@ -294,8 +294,7 @@ class RankingServer(BatchedModelServer[Pair, float]):
     ) -> RankResult:
         if not documents:
             raise RequestError(400, "no documents to rank; send at least one", param="documents")
-        if controls is not None:
-            controls.check("ranker")
+        self.check_deadline(controls, "ranker", len(documents))
         # In a worker thread so tokenizing many documents does not stall the event loop.
         encoded = await asyncio.to_thread(self.scorer.encode, query, documents, truncate)
         pairs = [pair for pair, _ in encoded]

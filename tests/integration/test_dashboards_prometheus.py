@@ -20,6 +20,8 @@ import pytest
 import ray
 from ray import serve
 
+from carpool.admission import RequestControls
+from carpool.errors import find_request_error
 from dashboards.definitions import DASHBOARDS
 from dashboards.monitor import prometheus_config, start_prometheus
 from pipelines.embed import build_embed_app
@@ -109,6 +111,14 @@ def test_every_panel_query_returns_data(serve_http: str, tiny_models: dict, tmp_
     stop = threading.Event()
     sender = threading.Thread(target=_traffic, args=(serve_http, stop), daemon=True)
     sender.start()
+    # A request that arrives past its deadline is dropped by the replica (the panel of
+    # dropped items needs one); through the handle, so the ingress cannot refuse it first.
+    embedder = serve.get_deployment_handle("embedder", app_name="dash-embed")
+    with pytest.raises(Exception) as info:
+        late = RequestControls(deadline=time.time() - 1)
+        embedder.embed.remote(["too late"], True, late).result(timeout_s=60)
+    found = find_request_error(info.value)
+    assert found is not None and found.status_code == 504
     try:
         missing: list[str] = []
         deadline = time.monotonic() + 120
