@@ -14,7 +14,7 @@ from typing import Any
 from ray import serve
 
 from carpool.batching import Job, batch_weight
-from carpool.config import CONCURRENT_BATCHES
+from carpool.config import COLLECTED_BATCHES_IN_FLIGHT
 from carpool.server import BatchedModelServer
 
 
@@ -34,7 +34,7 @@ def make_collector() -> Any:
 
     @serve.batch(
         max_batch_size=64 * 8192,  # replaced from config by _apply_collection()
-        max_concurrent_batches=CONCURRENT_BATCHES,
+        max_concurrent_batches=COLLECTED_BATCHES_IN_FLIGHT,
         batch_size_fn=batch_weight,
     )
     async def _collect(self: Any, jobs: list[Job]) -> list[Any]:

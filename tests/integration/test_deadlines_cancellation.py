@@ -186,3 +186,32 @@ def test_clients_that_leave_cancel_their_queued_rank_work(stack: str) -> None:
     # And the stack still answers.
     r = httpx.post(f"{stack}/search", json={"query": "document", "top_k": 4}, timeout=60)
     assert r.status_code == 200
+
+
+def test_interactive_searches_overtake_queued_batch_searches(stack: str) -> None:
+    busy = _keep_ranker_busy(1.2)
+    time.sleep(0.3)
+
+    async def race() -> tuple[float, list[float]]:
+        async with httpx.AsyncClient(timeout=60) as client:
+
+            async def one(i: int, tier: str) -> float:
+                r = await client.post(
+                    f"{stack}/search",
+                    json={"query": f"document {i}", "top_k": 4},
+                    headers={"x-carpool-priority": tier},
+                )
+                assert r.status_code == 200, r.text
+                return time.monotonic()
+
+            batch = [asyncio.create_task(one(i, "batch")) for i in range(6)]
+            await asyncio.sleep(0.3)  # the batch searches are queued at the ranker
+            interactive = await one(99, "interactive")
+            return interactive, list(await asyncio.gather(*batch))
+
+    interactive_done, batch_done = asyncio.run(race())
+    busy.result(timeout_s=60)
+    overtaken = sum(done > interactive_done for done in batch_done)
+    # Passes hold 4 pairs (one search): the interactive one runs in the next step, ahead of
+    # batch searches that were queued before it.
+    assert overtaken >= 2, (interactive_done, sorted(batch_done))
