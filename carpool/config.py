@@ -234,6 +234,13 @@ class IngressConfig(StrictModel):
         description="Requests one ingress replica holds at once; it only awaits downstream "
         "stages, so this is high (Serve's default of 5 collapses composed apps).",
     )
+    default_deadline_ms: float | None = Field(
+        default=None,
+        gt=0,
+        le=86_400_000,
+        description="Deadline for requests that send no x-carpool-deadline-ms header, in ms "
+        "from arrival; past it they get 504 and their work is cancelled. null: none.",
+    )
 
     def serve_options(self, name: str) -> dict[str, Any]:
         return {

@@ -75,6 +75,8 @@ def _describe_validation_error(err: dict[str, Any]) -> tuple[str, str | None]:
     if kind == "json_invalid":
         ctx = err.get("ctx", {}).get("error", "")
         return f"request body is not valid JSON ({ctx}); send a UTF-8 JSON object", None
+    if kind == "missing" and where == "body":
+        return "request body is empty; send a JSON object", None
     if kind == "missing":
         return f"field '{where}' is required", where
     if kind == "extra_forbidden":
@@ -84,6 +86,8 @@ def _describe_validation_error(err: dict[str, Any]) -> tuple[str, str | None]:
     msg = msg.removeprefix("Value error, ")
     if msg.startswith(where.split(".")[0]):  # our validators already name the field
         return msg, where
+    if where == "body" and kind == "value_error":  # a whole-body check: its message says where
+        return msg, None
     return f"{where}: {msg}", where
 
 
@@ -135,6 +139,33 @@ class BodySizeLimit:
 
 class _BodyTooLarge(Exception):
     pass
+
+
+def _body_error(cause: BaseException | None, max_body_bytes: int) -> JSONResponse:
+    """The 4xx for a body FastAPI could not read or decode, saying what to change."""
+    if isinstance(cause, _BodyTooLarge):
+        # A body without Content-Length that grew past the cap while FastAPI read it.
+        return error_response(
+            413,
+            f"request body is larger than {max_body_bytes} bytes; send fewer or shorter inputs "
+            "per request",
+            code="body_too_large",
+        )
+    if isinstance(cause, RecursionError):
+        return error_response(
+            400,
+            "request body nests JSON arrays or objects too deeply to parse; send the documented "
+            "shape (a few levels deep)",
+            code="json_too_deep",
+        )
+    if isinstance(cause, UnicodeError):
+        return error_response(
+            400, "request body is not valid UTF-8; send UTF-8 encoded JSON", code="invalid_utf8"
+        )
+    return error_response(
+        400,
+        f"request body could not be parsed ({type(cause).__name__}); send UTF-8 encoded JSON",
+    )
 
 
 def load_api_keys() -> list[bytes]:
@@ -241,6 +272,11 @@ class RequestControlsMiddleware:
             _CONTROLS.reset(token)
 
 
+def apply_ingress_defaults(api: FastAPI, default_deadline_ms: float | None) -> None:
+    """Called by an ingress when it starts, with the values from its IngressConfig."""
+    api.state.controls.default_deadline_ms = default_deadline_ms
+
+
 def make_api(title: str, description: str, max_body_bytes: int) -> FastAPI:
     """A FastAPI app with carpool's error handling; each pipeline adds its routes."""
     api = FastAPI(title=title, description=description, version="0.1.0")
@@ -258,9 +294,10 @@ def make_api(title: str, description: str, max_body_bytes: int) -> FastAPI:
     async def _http_error(_: Request, exc: StarletteHTTPException) -> JSONResponse:
         message = str(exc.detail)
         if exc.status_code == 400 and "parsing the body" in message:
-            # FastAPI's words for a body that is not UTF-8 (or not decodable at all).
-            message = "request body could not be decoded; send UTF-8 encoded JSON"
-        elif exc.status_code == 404:
+            # FastAPI's words for any exception while reading or decoding the body; the cause
+            # says which.
+            return _body_error(exc.__cause__, max_body_bytes)
+        if exc.status_code == 404:
             message = "no such route; see /docs for this pipeline's endpoints"
         elif exc.status_code == 405:
             message = "method not allowed on this route; see /docs for the right method"

@@ -17,6 +17,7 @@ from carpool.config import IngressConfig, StrictModel
 from carpool.errors import RequestError
 from carpool.http import (
     MAX_BODY_BYTES,
+    apply_ingress_defaults,
     call_backend,
     call_idempotent,
     current_controls,
@@ -78,6 +79,7 @@ class EmbedIngress:
 
     def __init__(self, embedder: DeploymentHandle, args: dict[str, Any]) -> None:
         self.args = EmbedArgs.model_validate(args)
+        apply_ingress_defaults(api, self.args.ingress.default_deadline_ms)
         self.embedder = embedder
         self.model_name = self.args.embedder.source.served_model_name or "embedder"
 

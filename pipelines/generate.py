@@ -41,6 +41,7 @@ from carpool.generation.schemas import (
 )
 from carpool.http import (
     MAX_BODY_BYTES,
+    apply_ingress_defaults,
     call_backend,
     current_controls,
     error_response,
@@ -141,6 +142,7 @@ class GenerateIngress:
         router: DeploymentHandle | None = None,
     ) -> None:
         self.args = GenerateArgs.model_validate(args)
+        apply_ingress_defaults(api, self.args.ingress.default_deadline_ms)
         self.handles: dict[str, DeploymentHandle] = {"small": small}
         configs: dict[str, GeneratorConfig] = {"small": self.args.small}
         if large is not None and self.args.large is not None:

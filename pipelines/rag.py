@@ -14,6 +14,7 @@ import time
 import uuid
 from collections.abc import AsyncIterator
 from typing import Any, Literal
+from urllib.parse import quote
 
 from fastapi.responses import JSONResponse, StreamingResponse
 from pydantic import BaseModel, ConfigDict, Field, field_validator
@@ -23,8 +24,20 @@ from ray.serve.handle import DeploymentHandle
 
 from carpool.config import IngressConfig, StrictModel
 from carpool.errors import RequestError
-from carpool.http import MAX_BODY_BYTES, call_backend, current_controls, make_api
-from carpool.schemas import IngestRequest, IngestResponse, SearchHit, SearchRequest
+from carpool.http import (
+    MAX_BODY_BYTES,
+    apply_ingress_defaults,
+    call_backend,
+    current_controls,
+    make_api,
+)
+from carpool.schemas import (
+    IngestRequest,
+    IngestResponse,
+    SearchHit,
+    SearchRequest,
+    WireRequest,
+)
 from pipelines.search import DocumentRoutes, retrieve_and_rerank
 
 SYSTEM_PROMPT = (
@@ -70,9 +83,10 @@ class RagMessage(BaseModel):
     content: str = Field(max_length=100_000)
 
 
-class RagChatRequest(BaseModel):
+class RagChatRequest(WireRequest):
     """``POST /rag/v1/chat/completions``: OpenAI's chat shape; the last user turn is the query."""
 
+    # Other OpenAI fields are ignored; NaN/Infinity and lone surrogates are still refused.
     model_config = ConfigDict(extra="ignore")
 
     messages: list[RagMessage] = Field(min_length=1, max_length=64)
@@ -111,6 +125,16 @@ def cited_ids(hits: list[SearchHit]) -> list[str]:
     return list(dict.fromkeys(h.doc_id for h in hits))
 
 
+def citations_header(ids: list[str]) -> str:
+    """Cited ids for the ``x-carpool-citations`` header, each percent-encoded, comma-separated.
+
+    Ids are any text a client ingested, but a header value must be latin-1 without CR/LF (an
+    id outside that failed the whole answer with 500), and an id holding a comma would split
+    in two. Ids of URL-safe ASCII other than ',' and '%' read as themselves.
+    """
+    return ",".join(quote(i, safe="!$&'()*+/:;=?@[]~") for i in ids)
+
+
 def citation_suffix(ids: list[str]) -> str:
     return "\n\nSources: " + ", ".join(f"[{i}]" for i in ids) if ids else ""
 
@@ -121,6 +145,7 @@ class RagIngress(DocumentRoutes):
 
     def __init__(self, args: dict[str, Any]) -> None:
         self.args = RagArgs.model_validate(args)
+        apply_ingress_defaults(api, self.args.ingress.default_deadline_ms)
         self._handles: dict[str, DeploymentHandle] = {}
 
     def _handle(self, deployment: str, app: str) -> DeploymentHandle:
@@ -176,7 +201,7 @@ class RagIngress(DocumentRoutes):
     async def chat_completions(self, body: RagChatRequest) -> Any:
         hits, call = await self._prepare(body)
         ids = cited_ids(hits)
-        headers = {"x-carpool-citations": ",".join(ids)}
+        headers = {"x-carpool-citations": citations_header(ids)}
         if body.stream:
             return StreamingResponse(
                 self._stream(call, ids), media_type="text/event-stream", headers=headers

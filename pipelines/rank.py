@@ -12,6 +12,7 @@ from carpool.config import IngressConfig, StrictModel
 from carpool.errors import RequestError
 from carpool.http import (
     MAX_BODY_BYTES,
+    apply_ingress_defaults,
     call_backend,
     call_idempotent,
     current_controls,
@@ -54,6 +55,7 @@ class RankIngress:
 
     def __init__(self, ranker: DeploymentHandle, args: dict[str, Any]) -> None:
         self.args = RankArgs.model_validate(args)
+        apply_ingress_defaults(api, self.args.ingress.default_deadline_ms)
         self.ranker = ranker
         self.model_name = self.args.ranker.source.served_model_name or "ranker"
 

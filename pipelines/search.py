@@ -17,6 +17,7 @@ from carpool.config import IngressConfig, StrictModel
 from carpool.errors import RequestError
 from carpool.http import (
     MAX_BODY_BYTES,
+    apply_ingress_defaults,
     call_backend,
     call_idempotent,
     current_controls,
@@ -128,6 +129,7 @@ async def retrieve_and_rerank(
 class SearchIngress(DocumentRoutes):
     def __init__(self, retriever: DeploymentHandle, args: dict[str, Any]) -> None:
         self.args = SearchArgs.model_validate(args)
+        apply_ingress_defaults(api, self.args.ingress.default_deadline_ms)
         self.retriever = retriever
         self._ranker: DeploymentHandle | None = None
 

@@ -215,3 +215,23 @@ def test_interactive_searches_overtake_queued_batch_searches(stack: str) -> None
     # Passes hold 4 pairs (one search): the interactive one runs in the next step, ahead of
     # batch searches that were queued before it.
     assert overtaken >= 2, (interactive_done, sorted(batch_done))
+
+
+def test_an_ingress_default_deadline_applies_unless_the_client_sends_one(
+    serve_http: str, tiny_models: dict
+) -> None:
+    args = {
+        "embedder": {"source": {"model": tiny_models["encoder"]}, "replica": {"num_cpus": 0.25}},
+        "ingress": {"num_cpus": 0.05, "default_deadline_ms": 0.001},
+    }
+    serve.run(build_embed_app(args), name="dl-default", route_prefix="/dl-default")
+    try:
+        url = f"{serve_http}/dl-default/v1/embeddings"
+        r = httpx.post(url, json={"input": "hello"}, timeout=60)
+        assert r.status_code == 504 and r.json()["error"]["code"] == "deadline_exceeded"
+        ok = httpx.post(
+            url, json={"input": "hello"}, headers={"x-carpool-deadline-ms": "60000"}, timeout=60
+        )
+        assert ok.status_code == 200, ok.text
+    finally:
+        serve.delete("dl-default")
