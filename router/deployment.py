@@ -26,6 +26,7 @@ from pydantic import Field, model_validator
 
 from carpool.admission import await_or_cancel, deadline_exceeded
 from carpool.config import StrictModel
+from carpool.errors import RequestError
 from router.choice import (
     LARGE,
     SMALL,
@@ -104,6 +105,14 @@ class RouterConfig(StrictModel):
         description="Requests each model has in flight from this router; more wait in lanes.",
     )
     aging_tokens_per_s: float = Field(default=50, gt=0, description="Lane aging rate.")
+    max_queued_per_lane: int = Field(
+        default=256,
+        ge=1,
+        le=100_000,
+        description="Admission bound per lane: requests waiting in one lane (for one model) "
+        "before new ones for it are refused with 503 + Retry-After. The batch tier may fill "
+        "half of it.",
+    )
     default_max_tokens: int = Field(default=256, ge=1, le=131_072)
     predictor_default_tokens: float = Field(default=48, ge=1)
     predictor_snapshot: str | None = Field(
@@ -134,15 +143,31 @@ class _Gate:
     waiters: dict[int, float] = field(default_factory=dict)
     # One FIFO lane (lanes disabled): admit in arrival order, not shortest-predicted first.
     fifo: bool = False
+    max_queued_per_lane: int = 256
+    lane_waiting: dict[str, int] = field(default_factory=dict)
 
-    async def enter(self, predicted: float, tier: Tier, deadline: float | None = None) -> None:
+    async def enter(
+        self, predicted: float, tier: Tier, deadline: float | None = None, lane: str = ""
+    ) -> None:
         """Waits for a slot; past ``deadline`` (time.time()) it gives up with 504."""
         if deadline is not None and deadline <= time.time():
             raise deadline_exceeded("router")
-        self.queued_tokens += predicted
         if self.in_flight < self.limit and not len(self.queue):
+            self.queued_tokens += predicted
             self.in_flight += 1
             return
+        waiting = self.lane_waiting.get(lane, 0)
+        bound = self.max_queued_per_lane if tier == "interactive" else self.max_queued_per_lane // 2
+        if waiting >= max(bound, 1):
+            raise RequestError(
+                503,
+                f"the router's {lane or 'only'} lane already holds {waiting} waiting requests "
+                f"(limit {bound} for {tier} requests); retry after the Retry-After delay",
+                code="overloaded",
+                retry_after_s=max(1.0, self.queued_tokens / max(self.tokens_per_s, 1e-3)),
+            )
+        self.queued_tokens += predicted
+        self.lane_waiting[lane] = waiting + 1
         future: asyncio.Future[None] = asyncio.get_running_loop().create_future()
         self.queue.push(future, 0.0 if self.fifo else predicted, time.monotonic(), tier)
         try:
@@ -160,6 +185,8 @@ class _Gate:
             if isinstance(exc, asyncio.TimeoutError):
                 raise deadline_exceeded("router") from None
             raise
+        finally:
+            self.lane_waiting[lane] -= 1
 
     def leave(self, predicted: float) -> None:
         self.queued_tokens = max(0.0, self.queued_tokens - predicted)
@@ -207,6 +234,7 @@ class RouterServer:
                 c.max_in_flight.get(name, 16),
                 ShortestFirstQueue(c.aging_tokens_per_s),
                 fifo=not c.lanes_enabled,
+                max_queued_per_lane=c.max_queued_per_lane,
             )
             for name in clients
         }
@@ -251,7 +279,7 @@ class RouterServer:
         target = lane.target or model
         gate = self.gates.get(target) or self.gates[model]
         waited = time.monotonic()
-        await gate.enter(predicted, tier, call.get("deadline"))
+        await gate.enter(predicted, tier, call.get("deadline"), lane.name)
         queue_ms = (time.monotonic() - waited) * 1000
         started = time.monotonic()
         try:
@@ -338,7 +366,7 @@ class RouterServer:
         target = lane.target or decision.model
         gate = self.gates.get(target) or self.gates[decision.model]
         waited = time.monotonic()
-        await gate.enter(predicted, tier, call.get("deadline"))
+        await gate.enter(predicted, tier, call.get("deadline"), lane.name)
         record = {
             "model": decision.model,
             "lane": lane.name,

@@ -199,3 +199,28 @@ def test_ingress_reads_headers_and_times_out_downstream_calls_with_504() -> None
     assert client.get("/v1/echo", headers={"x-carpool-deadline-ms": "0"}).status_code == 504
     bad = client.get("/v1/echo", headers={"x-carpool-priority": "urgent"})
     assert bad.status_code == 400 and "interactive" in bad.json()["error"]["message"]
+
+
+def test_router_lanes_are_bounded_per_lane_and_tier() -> None:
+    async def main() -> None:
+        gate = _Gate(1, ShortestFirstQueue(50.0), max_queued_per_lane=2)
+        await gate.enter(10, "interactive", lane="short")  # takes the only slot
+        waiters = [
+            asyncio.create_task(gate.enter(10, "interactive", lane="short")) for _ in range(2)
+        ]
+        await asyncio.sleep(0)
+        with pytest.raises(RequestError) as info:
+            await gate.enter(10, "interactive", lane="short")
+        assert info.value.status_code == 503 and info.value.retry_after_s
+        other = asyncio.create_task(gate.enter(500, "interactive", lane="long"))
+        await asyncio.sleep(0)
+        assert gate.lane_waiting == {"short": 2, "long": 1}
+        with pytest.raises(RequestError):  # the batch tier gets half of a lane
+            await gate.enter(500, "batch", lane="long")
+        for _ in range(3):  # each leave admits the next waiter
+            gate.leave(10)
+            await asyncio.sleep(0)
+        await asyncio.gather(*waiters, other)
+        assert gate.lane_waiting == {"short": 0, "long": 0} and gate.in_flight == 1
+
+    asyncio.run(main())
