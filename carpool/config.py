@@ -166,6 +166,14 @@ class ReplicaConfig(StrictModel):
         description="Requests a replica accepts at once; default 2 x max_batch_size x "
         "CONCURRENT_BATCHES so batches can fill (Serve's default of 5 starves them).",
     )
+    max_queued_requests: int | None = Field(
+        default=None,
+        ge=1,
+        le=1_000_000,
+        description="Requests a caller may queue for this deployment when all its replicas "
+        "are at max_ongoing_requests; past it Serve refuses them (503). Default: "
+        "max_ongoing_requests (Serve's default is unbounded).",
+    )
 
     def serve_options(self, name: str, batching: BatchingConfig) -> dict[str, Any]:
         ongoing = max(16, 2 * batching.max_batch_size * CONCURRENT_BATCHES)
@@ -179,6 +187,9 @@ class ReplicaConfig(StrictModel):
         options: dict[str, Any] = {
             "name": name,
             "max_ongoing_requests": self.max_ongoing_requests or default_ongoing,
+            "max_queued_requests": self.max_queued_requests
+            or self.max_ongoing_requests
+            or default_ongoing,
             "ray_actor_options": actor,
         }
         if self.autoscaling is not None:
@@ -247,5 +258,7 @@ class IngressConfig(StrictModel):
             "name": name,
             "num_replicas": self.num_replicas,
             "max_ongoing_requests": self.max_ongoing_requests,
+            # Bounded, as Serve's default is not: past it the proxy answers 503 at once.
+            "max_queued_requests": self.max_ongoing_requests,
             "ray_actor_options": {"num_cpus": self.num_cpus},
         }

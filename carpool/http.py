@@ -364,6 +364,12 @@ async def _as_coroutine(call: Awaitable[T]) -> T:
     return await call
 
 
+def _backpressure(exc: BaseException) -> bool:
+    from ray.serve.exceptions import BackPressureError
+
+    return isinstance(exc, BackPressureError)
+
+
 async def call_idempotent(stage: str, make_call: Callable[[], Awaitable[T]]) -> T:
     """Like ``call_backend``, but retried once when the replica died mid-call.
 
@@ -399,6 +405,14 @@ async def call_backend(stage: str, call: Awaitable[T]) -> T:
         found = find_request_error(exc)
         if found is not None:
             raise found from None
+        if _backpressure(exc):
+            raise RequestError(
+                503,
+                f"the {stage} stage is at capacity (its callers' queue is full); retry after "
+                "the Retry-After delay",
+                code="overloaded",
+                retry_after_s=1.0,
+            ) from None
         logger.exception("%s stage failed", stage)
         raise RequestError(
             503,

@@ -22,7 +22,7 @@ from ray.serve.deployment import Application
 
 from carpool.admission import RequestControls, await_or_cancel
 from carpool.config import StrictModel
-from carpool.errors import RequestError
+from carpool.errors import RequestError, find_request_error
 from carpool.index import Chunk, VectorIndex, chunk_text
 from carpool.models import cache_dir
 
@@ -32,6 +32,11 @@ DEFAULT_CORPUS = Path(__file__).resolve().parents[1] / "carpool" / "corpus"
 
 # embed(texts, controls=None): controls carry the request's deadline and priority.
 Embed = Callable[..., Awaitable[list[np.ndarray]]]
+# Embedder calls one ingest keeps in flight: enough to overlap with the embedder's passes,
+# few enough that one large ingest does not fill its queue and get refused.
+INGEST_CALLS_IN_FLIGHT = 2
+# Longest an ingest waits out the embedder's overload refusals before it fails with them.
+INGEST_MAX_WAIT_S = 60.0
 
 
 class RetrieverConfig(StrictModel):
@@ -148,8 +153,9 @@ class RetrievalServer:
         texts = [c.text for _, chunks in planned for c in chunks]
         step = self.config.embed_batch_texts
         # Calls in flight together: the embedder batches them with everyone else's requests.
+        gate = asyncio.Semaphore(INGEST_CALLS_IN_FLIGHT)
         parts = await asyncio.gather(
-            *(self._embed(texts[i : i + step]) for i in range(0, len(texts), step))
+            *(self._embed_paced(texts[i : i + step], gate) for i in range(0, len(texts), step))
         )
         vectors = np.asarray([v for part in parts for v in part], dtype=np.float32)
         async with self._writes:
@@ -166,6 +172,27 @@ class RetrievalServer:
             "ids": [doc["id"] for doc, _ in planned],
             "chunks": sum(len(chunks) for _, chunks in planned),
         }
+
+    async def _embed_paced(self, texts: list[str], gate: asyncio.Semaphore) -> list[np.ndarray]:
+        """Embeds one slice of an ingest, waiting out the embedder's overload refusals.
+
+        One ingest request of many chunks is many embedder jobs. Sent all at once they filled
+        the embedder's queue, and its admission control refused the tail with 503: a valid
+        ingest failed on an idle service. So slices go a few at a time, and a refusal that
+        says when to retry is retried, up to ``INGEST_MAX_WAIT_S`` of waiting in all.
+        """
+        waited = 0.0
+        async with gate:
+            while True:
+                try:
+                    return await self._embed(texts)
+                except Exception as exc:
+                    found = find_request_error(exc)
+                    if found is None or found.code != "overloaded" or waited >= INGEST_MAX_WAIT_S:
+                        raise
+                    delay = min(max(found.retry_after_s or 0.0, 0.05), 2.0)
+                    await asyncio.sleep(delay)
+                    waited += delay
 
     async def delete_document(self, doc_id: str) -> bool:
         index = await self.index()
@@ -224,6 +251,7 @@ def build_retrieval_deployment(config: RetrieverConfig, app_name: str) -> Applic
             name="retriever",
             num_replicas=1,
             max_ongoing_requests=config.max_ongoing_requests,
+            max_queued_requests=config.max_ongoing_requests,
             ray_actor_options={"num_cpus": config.num_cpus, "resources": dict(config.resources)},
         )
         .bind(config.model_dump(), app_name)

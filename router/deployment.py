@@ -487,6 +487,7 @@ def build_router_deployment(config: RouterConfig, small: Any, large: Any = None)
             name="router",
             num_replicas=1,
             max_ongoing_requests=1024,
+            max_queued_requests=1024,
             ray_actor_options={"num_cpus": 0.05},
         )
         .bind(config.model_dump(), small, large)
