@@ -7,13 +7,75 @@ configurable limits on top.
 
 from __future__ import annotations
 
-from typing import Literal
+import math
+from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 # Hard caps that keep one request from describing unbounded work (configurable caps are lower).
 MAX_ITEMS_HARD = 4096
 MAX_TEXT_CHARS_HARD = 1_000_000
+
+
+def find_unservable_value(data: Any) -> str | None:
+    """What in a decoded JSON body no model can take, as a message naming where; else None.
+
+    Two things pass JSON parsing yet break later stages: a lone UTF-16 surrogate (``"\\ud800"``
+    decodes to a ``str`` that tokenizers and UTF-8 encoders reject) and a non-finite number
+    (``NaN``, ``Infinity``, ``1e309``), which cannot even be written back as JSON. The walk is
+    iterative, so a deeply nested body cannot exhaust the stack here.
+    """
+    stack: list[tuple[str, Any]] = [("", data)]
+    while stack:
+        path, value = stack.pop()
+        if isinstance(value, str):
+            problem = _lone_surrogate(value)
+            if problem is not None:
+                return f"{path or 'body'} {problem}"
+        elif isinstance(value, float):
+            if not math.isfinite(value):
+                return (
+                    f"{path or 'body'} is {value}; send a finite number (JSON has no NaN or "
+                    "Infinity, and 1e309 overflows)"
+                )
+        elif isinstance(value, dict):
+            for key, item in value.items():
+                key_text = str(key)
+                problem = _lone_surrogate(key_text)
+                if problem is not None:
+                    return f"a key of {path or 'body'} {problem}"
+                stack.append((f"{path}.{key_text}" if path else key_text, item))
+        elif isinstance(value, list):
+            stack.extend((f"{path}[{i}]", item) for i, item in enumerate(value))
+    return None
+
+
+def _lone_surrogate(text: str) -> str | None:
+    if text.isascii():
+        return None
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as exc:
+        return (
+            f"holds a lone UTF-16 surrogate (\\u{ord(text[exc.start]):04x}) at character "
+            f"{exc.start}, which is not valid Unicode; send valid UTF-8 text (escape a "
+            "non-BMP character as a surrogate pair)"
+        )
+    return None
+
+
+class WireRequest(BaseModel):
+    """Base of every request body: unknown fields, NaN/Infinity and broken text refused."""
+
+    model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _servable(cls, data: Any) -> Any:
+        problem = find_unservable_value(data)
+        if problem is not None:
+            raise ValueError(problem)
+        return data
 
 
 def _check_texts(values: list[str], field: str) -> list[str]:
@@ -25,10 +87,8 @@ def _check_texts(values: list[str], field: str) -> list[str]:
     return values
 
 
-class EmbeddingRequest(BaseModel):
+class EmbeddingRequest(WireRequest):
     """``POST /embed/v1/embeddings``: OpenAI's embeddings request."""
-
-    model_config = ConfigDict(extra="forbid")
 
     input: str | list[str] = Field(
         description="Text to embed, or a list of texts (each embedded separately)."
@@ -90,10 +150,8 @@ class EmbeddingResponse(BaseModel):
     usage: Usage
 
 
-class RerankRequest(BaseModel):
+class RerankRequest(WireRequest):
     """``POST /rank/v1/rerank``: the rerank shape shared by Cohere, Jina and TEI."""
-
-    model_config = ConfigDict(extra="forbid")
 
     query: str = Field(min_length=1, max_length=MAX_TEXT_CHARS_HARD, description="The query.")
     documents: list[str] = Field(description="Documents to score against the query.")
@@ -170,10 +228,8 @@ class ModelList(BaseModel):
     data: list[ModelCard]
 
 
-class DocumentIn(BaseModel):
+class DocumentIn(WireRequest):
     """One document to ingest; re-sending an id replaces that document."""
-
-    model_config = ConfigDict(extra="forbid")
 
     id: str = Field(min_length=1, max_length=256, description="Document id (cited in answers).")
     text: str = Field(min_length=1, max_length=MAX_TEXT_CHARS_HARD, description="Full text.")
@@ -189,9 +245,7 @@ class DocumentIn(BaseModel):
         return value
 
 
-class IngestRequest(BaseModel):
-    model_config = ConfigDict(extra="forbid")
-
+class IngestRequest(WireRequest):
     documents: list[DocumentIn] = Field(min_length=1, max_length=1024)
 
     @field_validator("documents")
@@ -209,10 +263,8 @@ class IngestResponse(BaseModel):
     chunks: int
 
 
-class SearchRequest(BaseModel):
+class SearchRequest(WireRequest):
     """``POST /search/v1/search``: embed the query, retrieve, rerank."""
-
-    model_config = ConfigDict(extra="forbid")
 
     query: str = Field(min_length=1, max_length=8000, description="What to search for.")
     top_k: int = Field(default=20, ge=1, le=200, description="Chunks retrieved before reranking.")

@@ -173,6 +173,9 @@ class RetrievalServer:
             "chunks": sum(len(chunks) for _, chunks in planned),
         }
 
+    # Deadline and priority of the embedder calls an ingest makes (None: the embedder's default).
+    ingest_controls: RequestControls | None = None
+
     async def _embed_paced(self, texts: list[str], gate: asyncio.Semaphore) -> list[np.ndarray]:
         """Embeds one slice of an ingest, waiting out the embedder's overload refusals.
 
@@ -185,7 +188,8 @@ class RetrievalServer:
         async with gate:
             while True:
                 try:
-                    return await self._embed(texts)
+                    controls = self.ingest_controls
+                    return await (self._embed(texts, controls) if controls else self._embed(texts))
                 except Exception as exc:
                     found = find_request_error(exc)
                     if found is None or found.code != "overloaded" or waited >= INGEST_MAX_WAIT_S:
@@ -225,6 +229,10 @@ class RetrievalServer:
 
 class RetrievalDeployment(RetrievalServer):
     """Serve shell: embeds through the embed app's embedder deployment."""
+
+    # Ingestion is bulk work: at the embedder it runs in the batch tier, behind searches, and
+    # fills only part of the embedder's queue, so a large ingest does not get searches refused.
+    ingest_controls = RequestControls(priority="batch")
 
     def __init__(self, config: dict, app_name: str) -> None:
         parsed = RetrieverConfig.model_validate(config)

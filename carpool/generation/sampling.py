@@ -106,6 +106,9 @@ def sample_one(logits: Any, state: SamplerState) -> int:
         probs = torch.softmax(sorted_logits, dim=-1)
         # Keep the smallest prefix whose mass reaches top_p (always at least the best token).
         cut = torch.cumsum(probs, dim=-1) - probs >= params.top_p
+        # The best token stays even when top_p rounds to 0 in float32 (5e-324 did): cutting
+        # every token left only -inf, and softmax of that is NaN.
+        cut[0] = False
         sorted_logits = sorted_logits.masked_fill(cut, float("-inf"))
         scaled = torch.full_like(scaled, float("-inf")).scatter(0, order, sorted_logits)
     probs = torch.softmax(scaled, dim=-1)

@@ -15,7 +15,9 @@ import time
 import uuid
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import BaseModel, Field, field_validator, model_validator
+
+from carpool.schemas import WireRequest
 
 # Hard caps on what one request may describe; deployments apply their own, lower limits.
 MAX_TOKENS_HARD = 32_768
@@ -28,8 +30,8 @@ MAX_PROMPT_CHARS = 400_000
 MAX_MESSAGES = 512
 
 
-class _Request(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+class _Request(WireRequest):
+    """Unknown fields, NaN/Infinity and lone surrogates are refused (see ``WireRequest``)."""
 
 
 class StreamOptions(_Request):
