@@ -181,6 +181,16 @@ class QueueState:
     queued_tokens: int
     items: int
     tokens: int
+    # The part of the queue that runs before this job: interactive jobs overtake queued batch
+    # ones, so only those of their own tier are ahead of them. Default: the whole queue.
+    ahead_items: int | None = None
+    ahead_tokens: int | None = None
+
+    def __post_init__(self) -> None:
+        if self.ahead_items is None:
+            self.ahead_items = self.queued_items
+        if self.ahead_tokens is None:
+            self.ahead_tokens = self.queued_tokens
 
 
 @dataclass
@@ -231,7 +241,7 @@ class AdmissionPolicy(ABC):
         if remaining <= 0:
             return deadline_exceeded("model")
         finish_ms = self.cost.estimate_ms(
-            state.queued_items + state.items, state.queued_tokens + state.tokens
+            (state.ahead_items or 0) + state.items, (state.ahead_tokens or 0) + state.tokens
         )
         if finish_ms > remaining * 1000:
             return RequestError(
@@ -260,9 +270,9 @@ class LatencyAdmission(AdmissionPolicy):
 
     def refuse(self, state: QueueState, controls: RequestControls) -> RequestError | None:
         found = self._deadline(state, controls) or self._bounded(state, controls)
-        if found is not None or self.limits.max_queue_delay_ms is None or not state.queued_items:
+        if found is not None or self.limits.max_queue_delay_ms is None or not state.ahead_items:
             return found
-        delay_ms = self.cost.estimate_ms(state.queued_items, state.queued_tokens)
+        delay_ms = self.cost.estimate_ms(state.ahead_items, state.ahead_tokens or 0)
         bound_ms = self.limits.max_queue_delay_ms * self._share(controls)
         if delay_ms > bound_ms:
             return RequestError(

@@ -37,6 +37,7 @@ class BatchedModelServer(Generic[P, R]):
         self.batching = batching
         self._queued_items = 0
         self._queued_tokens = 0
+        self._queued_interactive = [0, 0]  # items, tokens of the interactive tier
         self.limits = BatchLimits(batching.max_batch_size, batching.max_batch_tokens)
         self.executor: LengthAwareExecutor[P, R] = LengthAwareExecutor(
             forward, self._splitter(batching), max_step_items=self._step_items(batching)
@@ -113,18 +114,32 @@ class BatchedModelServer(Generic[P, R]):
         """Admits ``job`` (or refuses it fast: 503 when full, 504 past its deadline)."""
         items, tokens = len(job.payloads), job.total_tokens
         controls = job.controls or RequestControls()
-        state = QueueState(self._queued_items, self._queued_tokens, items, tokens)
+        interactive = controls.priority == "interactive"
+        state = QueueState(
+            self._queued_items,
+            self._queued_tokens,
+            items,
+            tokens,
+            ahead_items=self._queued_interactive[0] if interactive else None,
+            ahead_tokens=self._queued_interactive[1] if interactive else None,
+        )
         refusal = self.admission.refuse(state, controls)
         if refusal is not None:
             self._count_drop("refused" if refusal.status_code == 503 else "deadline", items)
             raise refusal
         self._queued_items += items
         self._queued_tokens += tokens
+        if interactive:
+            self._queued_interactive[0] += items
+            self._queued_interactive[1] += tokens
         try:
             return await self._dispatch(job)
         finally:
             self._queued_items -= items
             self._queued_tokens -= tokens
+            if interactive:
+                self._queued_interactive[0] -= items
+                self._queued_interactive[1] -= tokens
 
     async def _dispatch(self, job: Job[P, R]) -> list[R]:
         """Without Serve, jobs go straight to the executor (which still merges concurrent calls)."""

@@ -224,3 +224,14 @@ def test_router_lanes_are_bounded_per_lane_and_tier() -> None:
         assert gate.lane_waiting == {"short": 0, "long": 0} and gate.in_flight == 1
 
     asyncio.run(main())
+
+
+def test_queued_batch_work_does_not_count_against_interactive_requests() -> None:
+    cost = PassCostModel(min_passes=1)
+    cost.observe(100, 10, 100.0)  # ~1 ms per token
+    policy = LatencyAdmission(AdmissionLimits(10_000, 500.0, 0.5), cost)
+    # 2 s of batch-tier work queued, nothing interactive: interactive requests go ahead of it.
+    interactive = QueueState(200, 2000, 1, 10, ahead_items=0, ahead_tokens=0)
+    assert policy.refuse(interactive, RequestControls()) is None
+    batch = policy.refuse(QueueState(200, 2000, 1, 10), RequestControls(priority="batch"))
+    assert batch is not None and batch.status_code == 503
