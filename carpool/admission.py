@@ -198,6 +198,8 @@ class AdmissionLimits:
     max_queued_items: int
     max_queue_delay_ms: float | None
     batch_tier_share: float
+    target_queue_delay_ms: float = 500.0
+    standing_queue_ms: float = 1000.0
 
 
 class AdmissionPolicy(ABC):
@@ -285,7 +287,57 @@ class LatencyAdmission(AdmissionPolicy):
         return None
 
 
-ADMISSION_POLICIES = ("bounded", "latency")
+class StandingQueueAdmission(LatencyAdmission):
+    """Tells a burst from overload, as CoDel does for packet queues.
+
+    A burst (64 requests at once) makes a deep queue that drains; sustained overload makes a
+    queue that stays. So the queue may pass ``target_queue_delay_ms`` for up to
+    ``standing_queue_ms``; a queue still above target after that is standing, and requests are
+    refused until it drains below target. ``max_queue_delay_ms`` still refuses at once, so
+    one burst cannot queue without bound either. Accepted requests then wait about the target
+    under overload, while a burst that fits the hard bound is served whole.
+    """
+
+    def __init__(
+        self, limits: AdmissionLimits, cost: PassCostModel, clock: Any = time.monotonic
+    ) -> None:
+        super().__init__(limits, cost)
+        self._clock = clock
+        self._above_since: float | None = None
+        self._last_seen = -math.inf
+
+    def refuse(self, state: QueueState, controls: RequestControls) -> RequestError | None:
+        found = super().refuse(state, controls)  # deadline, item bound, hard delay bound
+        if found is not None:
+            return found
+        now = self._clock()
+        delay_ms = self.cost.estimate_ms(state.ahead_items or 0, state.ahead_tokens or 0)
+        target_ms = self.limits.target_queue_delay_ms * self._share(controls)
+        # Unobserved for a while: the queue may have drained meanwhile, so start afresh.
+        if now - self._last_seen > self.limits.standing_queue_ms / 1000:
+            self._above_since = None
+        self._last_seen = now
+        if delay_ms <= self.limits.target_queue_delay_ms:
+            self._above_since = None
+        if delay_ms <= target_ms:
+            return None
+        if self._above_since is None:
+            self._above_since = now
+            return None
+        standing_ms = (now - self._above_since) * 1000
+        if standing_ms < self.limits.standing_queue_ms:
+            return None
+        return RequestError(
+            503,
+            f"this replica's queue has stayed above {target_ms:.0f} ms for "
+            f"{standing_ms:.0f} ms (now about {delay_ms:.0f} ms): it is overloaded, not "
+            "bursting; retry after the Retry-After delay",
+            code="overloaded",
+            retry_after_s=max(delay_ms - target_ms, 100.0) / 1000,
+        )
+
+
+ADMISSION_POLICIES = ("bounded", "latency", "standing")
 
 
 def make_admission_policy(
@@ -295,4 +347,6 @@ def make_admission_policy(
         return BoundedAdmission(limits, cost)
     if name == "latency":
         return LatencyAdmission(limits, cost)
+    if name == "standing":
+        return StandingQueueAdmission(limits, cost)
     raise ValueError(f"unknown admission policy {name!r}; choose one of {ADMISSION_POLICIES}")

@@ -64,19 +64,34 @@ class BatchingConfig(StrictModel):
         description="Admission bound: items a replica holds (queued or running) before it "
         "refuses more with a fast 503 and Retry-After, instead of growing without bound.",
     )
-    admission_policy: Literal["bounded", "latency"] = Field(
-        default="latency",
+    admission_policy: Literal["bounded", "latency", "standing"] = Field(
+        default="standing",
         description="How a replica decides to take a request: 'bounded' refuses past "
         "max_queued_items only; 'latency' also refuses when the estimated queue delay passes "
-        "max_queue_delay_ms. Both refuse (504) what cannot meet its deadline.",
+        "max_queue_delay_ms; 'standing' also refuses while the queue has stayed above "
+        "target_queue_delay_ms for standing_queue_ms (overload, not a burst). All refuse "
+        "(504) what cannot meet its deadline.",
     )
     max_queue_delay_ms: float | None = Field(
-        default=1000.0,
+        default=5000.0,
         gt=0,
         le=3_600_000,
-        description="Admission bound for the 'latency' policy: the queue delay, estimated from "
-        "this replica's recent forward passes, past which it refuses with 503 + Retry-After. "
-        "null disables it.",
+        description="Hard admission bound ('latency' and 'standing'): the queue delay, "
+        "estimated from this replica's recent forward passes, past which it refuses at once "
+        "with 503 + Retry-After. null disables it.",
+    )
+    target_queue_delay_ms: float = Field(
+        default=500.0,
+        gt=0,
+        le=3_600_000,
+        description="'standing': the queue delay accepted requests should see under overload.",
+    )
+    standing_queue_ms: float = Field(
+        default=1000.0,
+        ge=0,
+        le=3_600_000,
+        description="'standing': how long the queue may stay above target (a burst draining) "
+        "before the replica treats it as overload and refuses.",
     )
     batch_tier_share: float = Field(
         default=0.5,

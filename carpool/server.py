@@ -51,6 +51,8 @@ class BatchedModelServer(Generic[P, R]):
         self.admission_limits.max_queued_items = b.max_queued_items
         self.admission_limits.max_queue_delay_ms = b.max_queue_delay_ms
         self.admission_limits.batch_tier_share = b.batch_tier_share
+        self.admission_limits.target_queue_delay_ms = b.target_queue_delay_ms
+        self.admission_limits.standing_queue_ms = b.standing_queue_ms
         self.admission = make_admission_policy(b.admission_policy, self.admission_limits, self.cost)
 
     @staticmethod

@@ -15,6 +15,7 @@ from carpool.admission import (
     PassCostModel,
     QueueState,
     RequestControls,
+    StandingQueueAdmission,
     parse_controls,
 )
 from carpool.batching import BatchLimits, Job, LengthAwareExecutor, make_splitter
@@ -235,3 +236,34 @@ def test_queued_batch_work_does_not_count_against_interactive_requests() -> None
     assert policy.refuse(interactive, RequestControls()) is None
     batch = policy.refuse(QueueState(200, 2000, 1, 10), RequestControls(priority="batch"))
     assert batch is not None and batch.status_code == 503
+
+
+def test_standing_queue_admission_serves_a_burst_but_refuses_sustained_overload() -> None:
+    clock = [0.0]
+    cost = PassCostModel(min_passes=1)
+    cost.observe(100, 10, 100.0)  # ~1 ms per token, 10 items per pass
+    limits = AdmissionLimits(10_000, 5000.0, 0.5, target_queue_delay_ms=500, standing_queue_ms=1000)
+    policy = StandingQueueAdmission(limits, cost, clock=lambda: clock[0])
+
+    def offer(queued_tokens: int) -> RequestError | None:
+        return policy.refuse(
+            QueueState(queued_tokens // 10, queued_tokens, 1, 10), RequestControls()
+        )
+
+    # A burst: 64 arrivals within 0.2 s build a ~3 s queue; all are admitted.
+    for i in range(64):
+        clock[0] = i * 0.003
+        assert offer(i * 50) is None
+    # The queue drains below target: nothing is standing.
+    clock[0] = 3.0
+    assert offer(100) is None
+    # Sustained overload: the queue stays above target; after 1 s, refusals start.
+    refused = []
+    for step in range(30):
+        clock[0] = 4.0 + step * 0.1
+        refused.append(offer(800) is not None)
+    assert not any(refused[:9]) and all(refused[11:])
+    # Past the hard bound, refusal is immediate even in a fresh burst.
+    clock[0] = 100.0
+    hard = offer(6000)
+    assert hard is not None and hard.status_code == 503
