@@ -8,6 +8,7 @@ batching knobs before touching anything, so a bad ``user_config`` changes nothin
 from __future__ import annotations
 
 import os
+import time
 from collections.abc import Callable
 from typing import Any, Generic, TypeVar
 
@@ -21,6 +22,7 @@ from carpool.admission import (
 )
 from carpool.batching import BatchLimits, Job, LengthAwareExecutor, PassRecord, make_splitter
 from carpool.config import CONCURRENT_BATCHES, BatchingConfig
+from carpool.models import trim_heap
 
 P = TypeVar("P")
 R = TypeVar("R")
@@ -44,6 +46,7 @@ class BatchedModelServer(Generic[P, R]):
         )
         self.cost = PassCostModel()
         self.executor.listeners.append(_CostListener(self.cost))
+        self.executor.listeners.append(_HeapTrimmer())
         self.admission_limits = AdmissionLimits(0, None, 1.0)
         self._apply_admission(batching)
 
@@ -146,6 +149,20 @@ class BatchedModelServer(Generic[P, R]):
     async def _dispatch(self, job: Job[P, R]) -> list[R]:
         """Without Serve, jobs go straight to the executor (which still merges concurrent calls)."""
         return await self.executor.run_one(job)
+
+
+class _HeapTrimmer:
+    """Returns freed heap to the OS at most every ``interval_s``, after a pass."""
+
+    def __init__(self, interval_s: float = 5.0) -> None:
+        self.interval_s = interval_s
+        self._last = time.monotonic()
+
+    def on_pass(self, record: PassRecord) -> None:
+        now = time.monotonic()
+        if now - self._last >= self.interval_s:
+            self._last = now
+            trim_heap()
 
 
 class _CostListener:
