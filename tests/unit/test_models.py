@@ -136,3 +136,12 @@ def test_llm_scorer_truncates_documents_not_the_prompt(models: dict[str, str]) -
 def test_ranker_config_rejects_prompt_without_slots() -> None:
     with pytest.raises(ValueError, match="document"):
         RankerConfig.model_validate({"prompt": "Is {query} relevant?"})
+
+
+def test_trim_heap_returns_freed_memory_on_glibc() -> None:
+    import platform
+
+    from carpool.models import trim_heap
+
+    expected = platform.system() == "Linux" and platform.libc_ver()[0] == "glibc"
+    assert trim_heap() is expected
