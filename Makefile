@@ -24,7 +24,7 @@ SUDO := $(shell [ "$$(id -u)" = 0 ] || echo sudo)
 # GBs of CUDA packages). Machines whose pip already finds a local wheel (find-links) use it.
 TORCH_PIP_ARGS ?= $(shell command -v nvidia-smi >/dev/null 2>&1 || $(PYTHON) -m pip config list 2>/dev/null | grep -q find-links || echo --extra-index-url https://download.pytorch.org/whl/cpu)
 
-.PHONY: install models prometheus monitor dashboards serve test test-unit test-integration test-e2e lint format bench stop clean
+.PHONY: install models prometheus monitor dashboards serve test test-unit test-integration test-e2e lint format bench stop clean reliability soak
 
 install: $(INSTALLED)
 
@@ -89,3 +89,13 @@ stop:
 
 clean:
 	rm -rf $(VENV) *.egg-info .pytest_cache .ruff_cache
+
+# Reliability measurements of serve.yaml (never part of `make test`); see benchmarks/README.md.
+# Each starts its own private Ray + Serve on a free port and stops it at the end.
+reliability: models
+	$(PY) -m benchmarks.reliability overload --generate
+	$(PY) -m benchmarks.reliability faults
+
+# Holds 80% of measured capacity on embed, rank, search (+ a trickle of generate) for 10 min.
+soak: models
+	$(PY) -m benchmarks.reliability soak --duration 600 --load 0.8
