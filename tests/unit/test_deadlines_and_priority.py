@@ -267,3 +267,27 @@ def test_standing_queue_admission_serves_a_burst_but_refuses_sustained_overload(
     clock[0] = 100.0
     hard = offer(6000)
     assert hard is not None and hard.status_code == 503
+
+
+def test_standing_queue_admission_remembers_overload_so_dips_do_not_rearm_the_grace() -> None:
+    clock = [0.0]
+    cost = PassCostModel(min_passes=1)
+    cost.observe(100, 10, 100.0)
+    limits = AdmissionLimits(10_000, 5000.0, 0.5, target_queue_delay_ms=500, standing_queue_ms=1000)
+    policy = StandingQueueAdmission(limits, cost, clock=lambda: clock[0])
+
+    def offer(queued_tokens: int) -> RequestError | None:
+        return policy.refuse(
+            QueueState(queued_tokens // 10, queued_tokens, 1, 10), RequestControls()
+        )
+
+    for step in range(15):  # sustained overload: refusals start after the 1 s grace
+        clock[0] = step * 0.1
+        offer(800)
+    assert offer(800) is not None
+    clock[0] = 2.0
+    assert offer(300) is None  # drained below target: admitted
+    clock[0] = 2.05
+    assert offer(700) is not None  # above target again, overload remembered: no new grace
+    clock[0] = 60.0  # long after: a new burst gets its grace again
+    assert offer(100) is None and offer(900) is None
