@@ -341,11 +341,12 @@ class LengthAwareExecutor(Generic[P, R]):
             self._wakeup = asyncio.Event()
             self._worker = asyncio.get_running_loop().create_task(self._loop())
 
-    def _drop(self, job: Job[P, R], reason: str) -> None:
+    def report_drop(self, reason: str, items: int) -> None:
+        """Tells listeners (stats, metrics) about items that will never be computed."""
         for listener in self.listeners:
             on_drop = getattr(listener, "on_drop", None)
             if on_drop is not None:
-                on_drop(reason, job.remaining)
+                on_drop(reason, items)
 
     def _gone(self, job: Job[P, R], now: float) -> bool:
         """True (and the job is failed or forgotten) when its items must not be computed."""
@@ -353,10 +354,10 @@ class LengthAwareExecutor(Generic[P, R]):
         if job.future.done():  # cancelled by its caller, or already failed
             if job.future.cancelled() and not job.counted_drop:
                 job.counted_drop = True
-                self._drop(job, "cancelled")
+                self.report_drop("cancelled", job.remaining)
             return True
         if job.deadline is not None and now >= job.deadline:
-            self._drop(job, "deadline")
+            self.report_drop("deadline", job.remaining)
             job.future.set_exception(deadline_exceeded("model"))
             return True
         return False

@@ -106,14 +106,8 @@ class BatchedModelServer(Generic[P, R]):
     def check_deadline(self, controls: RequestControls | None, stage: str, items: int) -> None:
         """504 before any work (tokenizing included) for a request that arrives too late."""
         if controls is not None and controls.expired():
-            self._count_drop("deadline", items)
+            self.executor.report_drop("deadline", items)
             raise deadline_exceeded(stage)
-
-    def _count_drop(self, reason: str, items: int) -> None:
-        for listener in self.executor.listeners:
-            on_drop = getattr(listener, "on_drop", None)
-            if on_drop is not None:
-                on_drop(reason, items)
 
     async def run_job(self, job: Job[P, R]) -> list[R]:
         """Admits ``job`` (or refuses it fast: 503 when full, 504 past its deadline)."""
@@ -130,7 +124,9 @@ class BatchedModelServer(Generic[P, R]):
         )
         refusal = self.admission.refuse(state, controls)
         if refusal is not None:
-            self._count_drop("refused" if refusal.status_code == 503 else "deadline", items)
+            self.executor.report_drop(
+                "refused" if refusal.status_code == 503 else "deadline", items
+            )
             raise refusal
         self._queued_items += items
         self._queued_tokens += tokens
