@@ -647,7 +647,7 @@ bodies (`{"input": [...]}`, `{"query": ..., "documents": [...]}`, optional `arri
 Arrivals: `poisson`, `bursty`, `sweep` (Poisson at each of `--rates`), `search` (highest rate
 within the SLO), `closed` (fixed concurrency), `replay` (the workload's own times).
 `--variant NAME='{knobs}'` adds carpool deployments with other batching knobs to the same run;
-`carpool-wide` is carpool with a proposed code change (`experimental.py`); `report`
+`carpool-wide` is a former experiment, now carpool's default (`experimental.py`); `report`
 re-renders a suite's report, plots and (with `--readme`) this file from its `results.json`.
 Tests of the harness itself (no speed claims): `tests/unit/test_bench_harness.py`,
 `tests/integration/test_bench_smoke.py` (a fake server with known latency).
