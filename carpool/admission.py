@@ -263,11 +263,15 @@ class BoundedAdmission(AdmissionPolicy):
         return self._deadline(state, controls) or self._bounded(state, controls)
 
 
-class LatencyAdmission(AdmissionPolicy):
-    """Also refuses when the estimated queue delay passes ``max_queue_delay_ms``.
+class DrainAdmission(AdmissionPolicy):
+    """Takes every job whose queue can drain within ``max_queue_delay_ms`` (the default).
 
-    Bounding the wait, not the count, is what keeps accepted requests' latency flat under
-    overload whatever their lengths: 4096 short texts and 4096 long ones differ 50x in time.
+    Refusing work below capacity costs goodput and buys latency only for clients that did
+    not ask for it, so the bound is generous (seconds of work, e.g. a burst or a bulk client)
+    and latency protection comes from each request's own deadline: a job that cannot finish
+    before it is refused at once (504), one without a deadline waits. Bounding the wait, not
+    the count, is what holds whatever the lengths: 4096 short texts and 4096 long ones
+    differ 50x in time.
     """
 
     def refuse(self, state: QueueState, controls: RequestControls) -> RequestError | None:
@@ -277,17 +281,19 @@ class LatencyAdmission(AdmissionPolicy):
         delay_ms = self.cost.estimate_ms(state.ahead_items, state.ahead_tokens or 0)
         bound_ms = self.limits.max_queue_delay_ms * self._share(controls)
         if delay_ms > bound_ms:
+            # Room opens as the queue drains below the bound, long before it is empty.
+            excess_ms = delay_ms - bound_ms + self.cost.estimate_ms(state.items, state.tokens)
             return RequestError(
                 503,
                 f"this replica's queue is about {delay_ms:.0f} ms deep (limit {bound_ms:.0f} "
                 f"ms for {controls.priority} requests); retry after the Retry-After delay",
                 code="overloaded",
-                retry_after_s=delay_ms / 1000,
+                retry_after_s=max(excess_ms / 1000, 0.5),
             )
         return None
 
 
-class StandingQueueAdmission(LatencyAdmission):
+class StandingQueueAdmission(DrainAdmission):
     """Tells a burst from overload, as CoDel does for packet queues.
 
     A burst (64 requests at once) makes a deep queue that drains; sustained overload makes a
@@ -347,7 +353,47 @@ class StandingQueueAdmission(LatencyAdmission):
         )
 
 
-ADMISSION_POLICIES = ("bounded", "latency", "standing")
+class RefusalMemory:
+    """An ingress's memory of a backend's last overload refusal, to refuse cheaply meanwhile.
+
+    Under overload most requests are refused, and one that travels to the model replica to be
+    refused costs the hop (Serve's machinery in both processes) on the cores the model
+    computes on. A replica refuses only once its queue holds ``max_queue_delay_ms`` of work,
+    so for a moment after a refusal it is certainly still full: the ingress answers requests
+    of that tier itself. The window is short next to any queue bound, so the model never runs
+    dry; an interactive refusal covers the batch tier too (its bounds are lower).
+    """
+
+    def __init__(self, window_s: float = 0.25, clock: Any = time.monotonic) -> None:
+        self.window_s = window_s
+        self._clock = clock
+        self._until: dict[str, float] = {}  # tier -> refuse locally until (clock)
+        self._retry_at: dict[str, float] = {}  # tier -> when the backend said to retry
+
+    def record(self, error: RequestError, priority: Priority) -> None:
+        if error.status_code != 503 or error.code != "overloaded":
+            return
+        now = self._clock()
+        retry_s = error.retry_after_s or self.window_s
+        tiers = PRIORITIES if priority == "interactive" else (priority,)
+        for tier in tiers:
+            self._until[tier] = max(self._until.get(tier, 0.0), now + min(self.window_s, retry_s))
+            self._retry_at[tier] = max(self._retry_at.get(tier, 0.0), now + retry_s)
+
+    def refusal(self, stage: str, priority: Priority) -> RequestError | None:
+        now = self._clock()
+        if now >= self._until.get(priority, 0.0):
+            return None
+        return RequestError(
+            503,
+            f"the {stage} stage is overloaded (it refused {priority} requests moments ago: "
+            "its queue is full); retry after the Retry-After delay",
+            code="overloaded",
+            retry_after_s=max(self._retry_at.get(priority, now) - now, 0.5),
+        )
+
+
+ADMISSION_POLICIES = ("drain", "bounded", "standing")
 
 
 def make_admission_policy(
@@ -355,8 +401,8 @@ def make_admission_policy(
 ) -> AdmissionPolicy:
     if name == "bounded":
         return BoundedAdmission(limits, cost)
-    if name == "latency":
-        return LatencyAdmission(limits, cost)
+    if name == "drain":
+        return DrainAdmission(limits, cost)
     if name == "standing":
         return StandingQueueAdmission(limits, cost)
     raise ValueError(f"unknown admission policy {name!r}; choose one of {ADMISSION_POLICIES}")

@@ -47,10 +47,12 @@ class BatchingConfig(StrictModel):
         "(items x longest item) per forward pass.",
     )
     batch_wait_timeout_s: float = Field(
-        default=0.02,
+        default=0.0,
         ge=0.0,
         le=5.0,
-        description="How long the first request of a batch waits for company.",
+        description="How long the first request of a batch waits for company. 0 (default): "
+        "none; requests that arrive while the model computes merge into its next step anyway, "
+        "so waiting only adds latency when the model is idle.",
     )
     split_policy: Literal["optimal", "greedy", "pad_to_longest"] = Field(
         default="optimal",
@@ -58,27 +60,30 @@ class BatchingConfig(StrictModel):
         "'pad_to_longest' is what a plain @serve.batch does.",
     )
     max_queued_items: int = Field(
-        default=4096,
+        default=16_384,
         ge=1,
         le=10_000_000,
         description="Admission bound: items a replica holds (queued or running) before it "
         "refuses more with a fast 503 and Retry-After, instead of growing without bound.",
     )
-    admission_policy: Literal["bounded", "latency", "standing"] = Field(
-        default="standing",
-        description="How a replica decides to take a request: 'bounded' refuses past "
-        "max_queued_items only; 'latency' also refuses when the estimated queue delay passes "
-        "max_queue_delay_ms; 'standing' also refuses while the queue has stayed above "
-        "target_queue_delay_ms for standing_queue_ms (overload, not a burst). All refuse "
-        "(504) what cannot meet its deadline.",
+    admission_policy: Literal["drain", "bounded", "standing"] = Field(
+        default="drain",
+        description="How a replica decides to take a request. 'drain' (default) takes "
+        "everything whose queue can drain within max_queue_delay_ms: bursts and bulk clients "
+        "are served, and latency is protected by each request's deadline instead. 'bounded' "
+        "refuses past max_queued_items only; 'standing' also refuses while the queue has "
+        "stayed above target_queue_delay_ms for standing_queue_ms, trading goodput for the "
+        "latency of clients that send no deadline. All refuse (504) what cannot meet its "
+        "deadline.",
     )
     max_queue_delay_ms: float | None = Field(
-        default=5000.0,
+        default=30_000.0,
         gt=0,
         le=3_600_000,
-        description="Hard admission bound ('latency' and 'standing'): the queue delay, "
-        "estimated from this replica's recent forward passes, past which it refuses at once "
-        "with 503 + Retry-After. null disables it.",
+        description="'drain' and 'standing': the queue delay, estimated from this replica's "
+        "recent forward passes, past which it refuses at once with 503 + Retry-After. Past "
+        "it the work is real overload, refused cheaply while the model keeps computing at "
+        "capacity. null disables it.",
     )
     target_queue_delay_ms: float = Field(
         default=500.0,

@@ -24,6 +24,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from carpool.admission import (
     DEADLINE_HEADER,
     PRIORITY_HEADER,
+    RefusalMemory,
     RequestControls,
     deadline_exceeded,
     parse_controls,
@@ -370,16 +371,40 @@ def _backpressure(exc: BaseException) -> bool:
     return isinstance(exc, BackPressureError)
 
 
+# Per ingress process: what each downstream stage last refused for overload.
+_REFUSALS: dict[str, RefusalMemory] = {}
+
+
+def _refusals(stage: str) -> RefusalMemory:
+    memory = _REFUSALS.get(stage)
+    if memory is None:
+        memory = _REFUSALS[stage] = RefusalMemory()
+    return memory
+
+
+def refuse_if_overloaded(stage: str) -> None:
+    """503 at the ingress while ``stage`` is known to be full: no hop, no model CPU spent."""
+    refusal = _refusals(stage).refusal(stage, current_controls().priority)
+    if refusal is not None:
+        raise refusal
+
+
+def _remember(stage: str, error: RequestError) -> RequestError:
+    _refusals(stage).record(error, current_controls().priority)
+    return error
+
+
 async def call_idempotent(stage: str, make_call: Callable[[], Awaitable[T]]) -> T:
     """Like ``call_backend``, but retried once when the replica died mid-call.
 
     Only for calls that may run twice with the same effect (embed, rank, retrieve): the retry
     goes to another (or the restarted) replica, so a replica lost under load loses no request.
     """
+    refuse_if_overloaded(stage)
     try:
         return await await_within_deadline(stage, make_call())
-    except RequestError:
-        raise
+    except RequestError as exc:
+        raise _remember(stage, exc) from None
     except Exception as exc:
         if find_request_error(exc) is None and _replica_lost(exc):
             logger.warning("%s replica lost mid-call; retrying once elsewhere", stage)
@@ -395,23 +420,28 @@ async def call_backend(stage: str, call: Awaitable[T]) -> T:
     """Awaits a downstream stage; client errors pass through, anything else becomes a 503.
 
     A backend failure (replica died, model error) must not read as the client's fault, and
-    must not leak a stack trace into the response.
+    must not leak a stack trace into the response. An overload refusal is remembered for a
+    moment (``RefusalMemory``), so calls that queue model work can be refused here first
+    (``refuse_if_overloaded``) at no model cost.
     """
     try:
         return await await_within_deadline(stage, call)
-    except RequestError:
-        raise
+    except RequestError as exc:
+        raise _remember(stage, exc) from None
     except Exception as exc:
         found = find_request_error(exc)
         if found is not None:
-            raise found from None
+            raise _remember(stage, found) from None
         if _backpressure(exc):
-            raise RequestError(
-                503,
-                f"the {stage} stage is at capacity (its callers' queue is full); retry after "
-                "the Retry-After delay",
-                code="overloaded",
-                retry_after_s=1.0,
+            raise _remember(
+                stage,
+                RequestError(
+                    503,
+                    f"the {stage} stage is at capacity (its callers' queue is full); retry "
+                    "after the Retry-After delay",
+                    code="overloaded",
+                    retry_after_s=1.0,
+                ),
             ) from None
         logger.exception("%s stage failed", stage)
         raise RequestError(

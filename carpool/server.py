@@ -7,9 +7,11 @@ batching knobs before touching anything, so a bad ``user_config`` changes nothin
 
 from __future__ import annotations
 
+import contextlib
+import math
 import os
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable, Iterator
 from typing import Any, Generic, TypeVar
 
 from carpool.admission import (
@@ -40,6 +42,8 @@ class BatchedModelServer(Generic[P, R]):
         self._queued_items = 0
         self._queued_tokens = 0
         self._queued_interactive = [0, 0]  # items, tokens of the interactive tier
+        # Characters per token, learnt as requests are tokenized; 4 suits English BPE/WordPiece.
+        self._chars_per_token = 4.0
         self.limits = BatchLimits(batching.max_batch_size, batching.max_batch_tokens)
         self.executor: LengthAwareExecutor[P, R] = LengthAwareExecutor(
             forward, self._splitter(batching), max_step_items=self._step_items(batching)
@@ -109,10 +113,29 @@ class BatchedModelServer(Generic[P, R]):
             self.executor.report_drop("deadline", items)
             raise deadline_exceeded(stage)
 
-    async def run_job(self, job: Job[P, R]) -> list[R]:
-        """Admits ``job`` (or refuses it fast: 503 when full, 504 past its deadline)."""
-        items, tokens = len(job.payloads), job.total_tokens
-        controls = job.controls or RequestControls()
+    def estimate_tokens(self, char_counts: Iterable[int], max_tokens: int) -> int:
+        """Tokens of texts with these lengths, from characters: admission before tokenizing.
+
+        Refusing must cost no model time, and tokenizing 16 long texts costs milliseconds of
+        the replica's CPU; the ratio is learnt from the requests this replica tokenized.
+        """
+        ratio = self._chars_per_token
+        return sum(min(max_tokens, math.ceil(c / ratio) + 2) for c in char_counts)
+
+    def learn_token_ratio(self, chars: int, tokens: int) -> None:
+        if chars > 0 and tokens > 0:
+            self._chars_per_token = 0.9 * self._chars_per_token + 0.1 * (chars / tokens)
+
+    @contextlib.contextmanager
+    def admitted(
+        self, items: int, tokens: int, controls: RequestControls | None
+    ) -> Iterator[Admitted]:
+        """Admits a job of ``items``/``tokens`` (or refuses it: 503 full, 504 deadline).
+
+        The job counts in the queue until the block ends; ``Admitted.tokens`` may be set to
+        the real count once the job is tokenized.
+        """
+        controls = controls or RequestControls()
         interactive = controls.priority == "interactive"
         state = QueueState(
             self._queued_items,
@@ -128,23 +151,54 @@ class BatchedModelServer(Generic[P, R]):
                 "refused" if refusal.status_code == 503 else "deadline", items
             )
             raise refusal
-        self._queued_items += items
-        self._queued_tokens += tokens
-        if interactive:
-            self._queued_interactive[0] += items
-            self._queued_interactive[1] += tokens
+        ticket = Admitted(self, items, tokens, interactive)
+        ticket.count(+1)
         try:
-            return await self._dispatch(job)
+            yield ticket
         finally:
-            self._queued_items -= items
-            self._queued_tokens -= tokens
-            if interactive:
-                self._queued_interactive[0] -= items
-                self._queued_interactive[1] -= tokens
+            ticket.count(-1)
+
+    async def run_job(self, job: Job[P, R], admitted: Admitted | None = None) -> list[R]:
+        """Runs ``job``, admitting it first unless the caller already has (``admitted``)."""
+        if admitted is not None:
+            admitted.tokens = job.total_tokens
+            return await self._dispatch(job)
+        with self.admitted(len(job.payloads), job.total_tokens, job.controls):
+            return await self._dispatch(job)
 
     async def _dispatch(self, job: Job[P, R]) -> list[R]:
         """Without Serve, jobs go straight to the executor (which still merges concurrent calls)."""
         return await self.executor.run_one(job)
+
+
+class Admitted:
+    """A job's share of its replica's queue, from admission until it is answered."""
+
+    def __init__(
+        self, server: BatchedModelServer[Any, Any], items: int, tokens: int, interactive: bool
+    ) -> None:
+        self._server = server
+        self.items = items
+        self._tokens = tokens
+        self.interactive = interactive
+
+    @property
+    def tokens(self) -> int:
+        return self._tokens
+
+    @tokens.setter
+    def tokens(self, value: int) -> None:
+        self.count(-1)
+        self._tokens = value
+        self.count(+1)
+
+    def count(self, sign: int) -> None:
+        server = self._server
+        server._queued_items += sign * self.items
+        server._queued_tokens += sign * self._tokens
+        if self.interactive:
+            server._queued_interactive[0] += sign * self.items
+            server._queued_interactive[1] += sign * self._tokens
 
 
 class _HeapTrimmer:

@@ -163,24 +163,28 @@ class EmbeddingServer(BatchedModelServer[list[int], np.ndarray]):
         if not texts:
             raise RequestError(400, "no texts to embed; send at least one", param="input")
         self.check_deadline(controls, "embedder", len(texts))
-        # In a worker thread: a request of many long texts must not stall the replica's event
-        # loop, which keeps collecting other requests meanwhile.
-        ids = await asyncio.to_thread(self.model.tokenize, texts)
-        truncated = [False] * len(ids)
-        for i, seq in enumerate(ids):
-            if len(seq) > self.model.max_length:
-                if not truncate:
-                    raise RequestError(
-                        413,
-                        f"input[{i}] has {len(seq)} tokens; this model takes at most "
-                        f"{self.model.max_length}. Shorten it or set truncate: true",
-                        param=f"input[{i}]",
-                        code="input_too_long",
-                    )
-                ids[i] = self.model.truncate(texts[i])
-                truncated[i] = True
-        lengths = [len(s) for s in ids]
-        vectors = await self.run_job(self.make_job(ids, lengths, controls))
+        chars = [len(t) for t in texts]
+        estimate = self.estimate_tokens(chars, self.model.max_length)
+        with self.admitted(len(texts), estimate, controls) as ticket:
+            # In a worker thread: a request of many long texts must not stall the replica's
+            # event loop, which keeps collecting other requests meanwhile.
+            ids = await asyncio.to_thread(self.model.tokenize, texts)
+            self.learn_token_ratio(sum(chars), sum(len(seq) for seq in ids))
+            truncated = [False] * len(ids)
+            for i, seq in enumerate(ids):
+                if len(seq) > self.model.max_length:
+                    if not truncate:
+                        raise RequestError(
+                            413,
+                            f"input[{i}] has {len(seq)} tokens; this model takes at most "
+                            f"{self.model.max_length}. Shorten it or set truncate: true",
+                            param=f"input[{i}]",
+                            code="input_too_long",
+                        )
+                    ids[i] = self.model.truncate(texts[i])
+                    truncated[i] = True
+            lengths = [len(s) for s in ids]
+            vectors = await self.run_job(self.make_job(ids, lengths, controls), ticket)
         return EmbedResult(vectors, lengths, truncated, self.model.name)
 
 

@@ -24,7 +24,7 @@ from pydantic import Field, model_validator
 from ray import serve
 from ray.serve.deployment import Application
 
-from carpool.admission import RequestControls, deadline_exceeded
+from carpool.admission import DEADLINE_HEADER, RequestControls, deadline_exceeded
 from carpool.config import ModelSourceConfig, ReplicaConfig, StrictModel
 from carpool.errors import RequestError
 from carpool.generation.engine import (
@@ -87,7 +87,17 @@ class GeneratorBatching(StrictModel):
         default=256,
         ge=0,
         le=100_000,
-        description="Requests queued for a slot before new ones are refused with 503.",
+        description="Requests queued for a slot before new ones are refused with 503 (a "
+        "memory bound; max_queue_delay_ms is the one that normally decides).",
+    )
+    max_queue_delay_ms: float = Field(
+        default=60_000.0,
+        gt=0,
+        le=3_600_000,
+        description="Refuse (503 + Retry-After) a request that would wait longer than this "
+        "for a slot, estimated from how long sequences hold their slots. Generous on "
+        "purpose: latency is protected by the request's deadline (refused at once with 504 "
+        "when the wait alone would pass it), not by refusing work the replica can do.",
     )
     batch_tier_share: float = Field(
         default=0.5,
@@ -373,16 +383,29 @@ class GeneratorServer:
         controls = RequestControls(call.deadline, call.priority)
         controls.check(f"{self.name} generator")
         waiting = self.engine.num_waiting()
-        bound = self.batching.max_waiting
-        if call.priority == "batch":
-            bound = int(bound * self.batching.batch_tier_share)
-        if waiting >= bound:
+        share = self.batching.batch_tier_share if call.priority == "batch" else 1.0
+        bound = int(self.batching.max_waiting * share)
+        wait_ms = self.engine.estimated_wait_s() * 1000
+        if waiting >= bound or wait_ms > self.batching.max_queue_delay_ms * share:
             raise RequestError(
                 503,
-                f"model {self.name!r} has {waiting} requests waiting for a slot (limit {bound} "
-                f"for {call.priority} requests); retry later",
+                f"model {self.name!r} has {waiting} requests waiting for a slot, about "
+                f"{wait_ms:.0f} ms of waiting (limits {bound} requests, "
+                f"{self.batching.max_queue_delay_ms * share:.0f} ms for {call.priority} "
+                "requests); retry after the Retry-After delay",
                 code="overloaded",
-                retry_after_s=1.0,
+                retry_after_s=max(
+                    self.engine.mean_slot_s / max(self.batching.max_num_seqs, 1), 1.0
+                ),
+            )
+        remaining = controls.remaining_s()
+        if remaining is not None and wait_ms > remaining * 1000:
+            raise RequestError(
+                504,
+                f"model {self.name!r} expects a {wait_ms:.0f} ms wait for a slot, more than the "
+                f"{remaining * 1000:.0f} ms left of this request's deadline; send a larger "
+                f"{DEADLINE_HEADER} budget or retry later",
+                code="deadline_unmeetable",
             )
         deadline = time.monotonic() + self.batching.request_timeout_s
         client_deadline = controls.monotonic_deadline()

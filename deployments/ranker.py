@@ -295,11 +295,18 @@ class RankingServer(BatchedModelServer[Pair, float]):
         if not documents:
             raise RequestError(400, "no documents to rank; send at least one", param="documents")
         self.check_deadline(controls, "ranker", len(documents))
-        # In a worker thread so tokenizing many documents does not stall the event loop.
-        encoded = await asyncio.to_thread(self.scorer.encode, query, documents, truncate)
-        pairs = [pair for pair, _ in encoded]
-        lengths = [len(ids) for ids, _ in pairs]
-        scores = await self.run_job(self.make_job(pairs, lengths, controls))
+        chars = [len(query) + len(doc) for doc in documents]
+        estimate = self.estimate_tokens(chars, self.scorer.max_length)
+        with self.admitted(len(documents), estimate, controls) as ticket:
+            # In a worker thread so tokenizing many documents does not stall the event loop.
+            encoded = await asyncio.to_thread(self.scorer.encode, query, documents, truncate)
+            pairs = [pair for pair, _ in encoded]
+            lengths = [len(ids) for ids, _ in pairs]
+            self.learn_token_ratio(
+                sum(c for c, (_, cut) in zip(chars, encoded, strict=True) if not cut),
+                sum(n for n, (_, cut) in zip(lengths, encoded, strict=True) if not cut),
+            )
+            scores = await self.run_job(self.make_job(pairs, lengths, controls), ticket)
         return RankResult(scores, [cut for _, cut in encoded], sum(lengths), self.scorer.name)
 
 

@@ -46,6 +46,7 @@ from carpool.http import (
     current_controls,
     error_response,
     make_api,
+    refuse_if_overloaded,
 )
 from deployments.generator import (
     DEFAULT_LARGE,
@@ -180,6 +181,7 @@ class GenerateIngress:
             return await self._stream(
                 tier, handle, call, self._completion_chunks(model, body.include_usage())
             )
+        refuse_if_overloaded(tier)
         result = await call_backend(tier, handle.generate.remote(call))
         response = CompletionResponse(
             model=_answered_by(result, model),
@@ -233,6 +235,7 @@ class GenerateIngress:
             return await self._stream(
                 tier, handle, call, self._chat_chunks(model, body.n, body.include_usage())
             )
+        refuse_if_overloaded(tier)
         result = await call_backend(tier, handle.generate.remote(call))
         response = ChatCompletionResponse(
             model=_answered_by(result, model),

@@ -30,6 +30,7 @@ from carpool.http import (
     call_backend,
     current_controls,
     make_api,
+    refuse_if_overloaded,
 )
 from carpool.schemas import (
     IngestRequest,
@@ -206,6 +207,7 @@ class RagIngress(DocumentRoutes):
             return StreamingResponse(
                 self._stream(call, ids), media_type="text/event-stream", headers=headers
             )
+        refuse_if_overloaded("generator")
         result = await call_backend("generator", self._generator().generate.remote(call))
         choice = result["choices"][0]
         response = {

@@ -220,6 +220,9 @@ class GenerationEngine(ABC):
             "decode_s": 0.0,
             "max_running": 0,
         }
+        # How long a sequence holds its slot (first token to finish), averaged: with
+        # max_num_seqs it says how fast waiting requests get a slot, for admission.
+        self.mean_slot_s = 0.0
 
     # --- called from any thread ---------------------------------------------------------
 
@@ -237,6 +240,17 @@ class GenerationEngine(ABC):
             self._inbox.extend(seqs)
             self._ensure_thread()
             self._cond.notify()
+
+    def estimated_wait_s(self, extra: int = 0) -> float:
+        """Time until a request queued now (behind ``extra`` more) gets a slot, roughly.
+
+        Slots free at about ``max_num_seqs / mean_slot_s`` per second; 0 until a sequence has
+        finished, so a fresh replica admits.
+        """
+        waiting = self.num_waiting() + extra
+        if waiting <= 0 or self.mean_slot_s <= 0:
+            return 0.0
+        return waiting * self.mean_slot_s / max(self.limits.max_num_seqs, 1)
 
     def set_limits(self, max_num_seqs: int, max_batch_tokens: int) -> None:
         """Applies new bounds (from reconfigure); running sequences above them finish normally."""
@@ -344,6 +358,10 @@ class GenerationEngine(ABC):
         if reason is not None:
             seq.finish_reason = reason
             seq.finished_at = time.monotonic()
+            if seq.first_token_at is not None:
+                held = seq.finished_at - seq.first_token_at
+                done = self.totals["sequences_finished"]
+                self.mean_slot_s = held if done == 0 else 0.9 * self.mean_slot_s + 0.1 * held
             self.totals["sequences_finished"] += 1
             self.totals["prompt_tokens"] += seq.num_prompt_tokens
             self.totals["output_tokens"] += len(seq.output_ids)

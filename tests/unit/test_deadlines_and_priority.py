@@ -11,9 +11,10 @@ from fastapi.testclient import TestClient
 
 from carpool.admission import (
     AdmissionLimits,
-    LatencyAdmission,
+    DrainAdmission,
     PassCostModel,
     QueueState,
+    RefusalMemory,
     RequestControls,
     StandingQueueAdmission,
     parse_controls,
@@ -73,10 +74,10 @@ def test_cost_model_recovers_a_linear_pass_cost() -> None:
     assert cost.estimate_ms(16, 1000) == pytest.approx(2 * 7.0 + 200, rel=0.05)
 
 
-def test_latency_admission_keeps_room_for_interactive_and_refuses_unmeetable_deadlines() -> None:
+def test_drain_admission_keeps_room_for_interactive_and_refuses_unmeetable_deadlines() -> None:
     cost = PassCostModel(min_passes=1)
     cost.observe(100, 10, 100.0)  # ~1 ms per token
-    policy = LatencyAdmission(AdmissionLimits(10_000, 500.0, 0.5), cost)
+    policy = DrainAdmission(AdmissionLimits(10_000, 500.0, 0.5), cost)
     state = QueueState(queued_items=30, queued_tokens=300, items=1, tokens=10)  # ~300 ms ahead
     assert policy.refuse(state, RequestControls()) is None
     batch = policy.refuse(state, RequestControls(priority="batch"))  # its bound is 250 ms
@@ -230,7 +231,7 @@ def test_router_lanes_are_bounded_per_lane_and_tier() -> None:
 def test_queued_batch_work_does_not_count_against_interactive_requests() -> None:
     cost = PassCostModel(min_passes=1)
     cost.observe(100, 10, 100.0)  # ~1 ms per token
-    policy = LatencyAdmission(AdmissionLimits(10_000, 500.0, 0.5), cost)
+    policy = DrainAdmission(AdmissionLimits(10_000, 500.0, 0.5), cost)
     # 2 s of batch-tier work queued, nothing interactive: interactive requests go ahead of it.
     interactive = QueueState(200, 2000, 1, 10, ahead_items=0, ahead_tokens=0)
     assert policy.refuse(interactive, RequestControls()) is None
@@ -291,3 +292,77 @@ def test_standing_queue_admission_remembers_overload_so_dips_do_not_rearm_the_gr
     assert offer(700) is not None  # above target again, overload remembered: no new grace
     clock[0] = 60.0  # long after: a new burst gets its grace again
     assert offer(100) is None and offer(900) is None
+
+
+def test_drain_admission_serves_a_burst_and_refuses_only_past_the_bound() -> None:
+    cost = PassCostModel(min_passes=1)
+    cost.observe(100, 10, 100.0)  # ~1 ms per token, 10 items per pass
+    policy = DrainAdmission(AdmissionLimits(100_000, 30_000.0, 0.5), cost)
+    # A burst that makes a 20 s queue (two bulk clients, 64 requests at once): all admitted.
+    for queued in range(0, 20_000, 500):
+        assert policy.refuse(QueueState(queued // 10, queued, 16, 500), RequestControls()) is None
+    # Past 30 s of queued work: refused at once, Retry-After is the time until there is room.
+    over = policy.refuse(QueueState(3_200, 32_000, 16, 500), RequestControls())
+    assert over is not None and over.status_code == 503 and over.code == "overloaded"
+    assert over.retry_after_s is not None and 2.0 <= over.retry_after_s < 5.0
+    # The same queue with a deadline the work ahead cannot meet: 504 at once, not a wait.
+    late = policy.refuse(
+        QueueState(1_000, 10_000, 1, 10), RequestControls(deadline=time.time() + 2)
+    )
+    assert late is not None and late.status_code == 504
+
+
+def test_refusal_memory_refuses_at_the_ingress_for_a_moment_after_an_overload() -> None:
+    clock = [0.0]
+    memory = RefusalMemory(window_s=0.25, clock=lambda: clock[0])
+    assert memory.refusal("embedder", "interactive") is None
+    memory.record(RequestError(400, "bad input"), "interactive")  # not an overload: ignored
+    memory.record(RequestError(503, "x", code="backend_unavailable"), "interactive")
+    assert memory.refusal("embedder", "interactive") is None
+    memory.record(RequestError(503, "full", code="overloaded", retry_after_s=3.0), "batch")
+    assert memory.refusal("embedder", "interactive") is None  # batch bounds are lower
+    local = memory.refusal("embedder", "batch")
+    assert local is not None and local.status_code == 503 and local.code == "overloaded"
+    assert local.retry_after_s == pytest.approx(3.0)
+    clock[0] = 0.1
+    memory.record(RequestError(503, "full", code="overloaded", retry_after_s=2.0), "interactive")
+    assert memory.refusal("embedder", "interactive") is not None
+    assert memory.refusal("embedder", "batch") is not None
+    clock[0] = 0.36  # past the window: the backend decides again
+    assert memory.refusal("embedder", "interactive") is None
+
+
+def test_a_refused_request_is_never_tokenized() -> None:
+    class _Tokenizing(_CountingModel):
+        def __init__(self) -> None:
+            super().__init__(pass_s=0.3)
+            self.tokenized: list[str] = []
+
+        def tokenize(self, texts: list[str]) -> list[list[int]]:
+            self.tokenized.extend(texts)
+            return super().tokenize(texts)
+
+    model = _Tokenizing()
+    config = EmbedderConfig(batching={"max_queued_items": 4, "admission_policy": "bounded"})
+    server = EmbeddingServer(config, model)
+
+    async def main() -> list:
+        first = asyncio.create_task(server.embed(["1", "2", "3"]))
+        await asyncio.sleep(0.05)  # its pass is running: the replica holds 3 items
+        refused = server.embed(["7", "8"])
+        return await asyncio.gather(first, refused, return_exceptions=True)
+
+    first, refused = asyncio.run(main())
+    assert not isinstance(first, BaseException)
+    assert isinstance(refused, RequestError) and refused.status_code == 503
+    assert "7" not in model.tokenized and model.tokenized == ["1", "2", "3"]
+    assert server.stats()["queued_items"] == 0  # every admitted share was released
+
+
+def test_estimated_tokens_follow_the_ratio_the_replica_learns() -> None:
+    server = EmbeddingServer(EmbedderConfig(), _CountingModel())
+    assert server.estimate_tokens([400], max_tokens=10_000) == 102  # 4 chars/token + 2
+    assert server.estimate_tokens([400, 4000], max_tokens=256) == 102 + 256  # capped per text
+    for _ in range(60):
+        server.learn_token_ratio(chars=800, tokens=100)  # this model: 8 chars per token
+    assert server.estimate_tokens([400], max_tokens=10_000) == pytest.approx(52, abs=2)
