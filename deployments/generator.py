@@ -386,6 +386,15 @@ class GeneratorServer:
         share = self.batching.batch_tier_share if call.priority == "batch" else 1.0
         bound = int(self.batching.max_waiting * share)
         wait_ms = self.engine.estimated_wait_s() * 1000
+        remaining = controls.remaining_s()
+        if remaining is not None and wait_ms > remaining * 1000:
+            raise RequestError(
+                504,
+                f"model {self.name!r} expects a {wait_ms:.0f} ms wait for a slot, more than the "
+                f"{remaining * 1000:.0f} ms left of this request's deadline; send a larger "
+                f"{DEADLINE_HEADER} budget or retry later",
+                code="deadline_unmeetable",
+            )
         if waiting >= bound or wait_ms > self.batching.max_queue_delay_ms * share:
             raise RequestError(
                 503,
@@ -397,15 +406,6 @@ class GeneratorServer:
                 retry_after_s=max(
                     self.engine.mean_slot_s / max(self.batching.max_num_seqs, 1), 1.0
                 ),
-            )
-        remaining = controls.remaining_s()
-        if remaining is not None and wait_ms > remaining * 1000:
-            raise RequestError(
-                504,
-                f"model {self.name!r} expects a {wait_ms:.0f} ms wait for a slot, more than the "
-                f"{remaining * 1000:.0f} ms left of this request's deadline; send a larger "
-                f"{DEADLINE_HEADER} budget or retry later",
-                code="deadline_unmeetable",
             )
         deadline = time.monotonic() + self.batching.request_timeout_s
         client_deadline = controls.monotonic_deadline()

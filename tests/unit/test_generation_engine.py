@@ -446,3 +446,49 @@ def test_kv_budget_and_reconfigure_are_checked_before_anything_changes(tiny):
         assert server.batching.max_batch_tokens == 64
     finally:
         server.close()
+
+
+def test_server_refuses_only_what_would_wait_past_its_bound_or_deadline(tiny):
+    server = server_for(
+        tiny,
+        source={"model": "tiny", "max_length": 512},
+        limits={"max_tokens_limit": 440, "default_max_tokens": 16},
+        batching={"max_num_seqs": 1, "max_batch_tokens": 128, "max_queue_delay_ms": 1500},
+    )
+    hold = {"prompts": [PROMPTS[0]], "max_tokens": 400, "temperature": 0, "ignore_eos": True}
+
+    async def until_waiting(n: int) -> None:
+        deadline = time.monotonic() + 30
+        while server.engine.num_waiting() < n and time.monotonic() < deadline:
+            await asyncio.sleep(0.002)
+        assert server.engine.num_waiting() >= n
+
+    async def main() -> tuple:
+        first = await server.generate({**hold, "max_tokens": 4})
+        assert first["completion_tokens"] == 4
+        server.engine.mean_slot_s = 1.0  # as if sequences held their slot 1 s each
+        holder = asyncio.create_task(server.generate(hold))
+        queued = [asyncio.create_task(server.generate(hold))]
+        await until_waiting(1)
+        # One waiting for the only slot, ~1 s of waiting, under the 1.5 s bound: admitted.
+        queued.append(asyncio.create_task(server.generate(hold)))
+        await until_waiting(2)
+        # Two waiting, ~2 s: past the bound, refused at once; a tight deadline gets 504.
+        refused = await asyncio.gather(
+            server.generate(hold),
+            server.generate({**hold, "deadline": time.time() + 0.5}),
+            return_exceptions=True,
+        )
+        for task in (holder, *queued):
+            task.cancel()
+        await asyncio.gather(holder, *queued, return_exceptions=True)
+        return refused
+
+    try:
+        over, late = run(main())
+    finally:
+        server.close()
+    assert isinstance(over, RequestError) and over.status_code == 503, over
+    assert over.code == "overloaded" and over.retry_after_s
+    assert isinstance(late, RequestError) and late.status_code == 504, late
+    assert late.code == "deadline_unmeetable"
