@@ -59,6 +59,9 @@ class RequestRecord:
     items: int = 0  # texts / documents / sequences the server answered for
     tokens: int = 0  # tokens the server reported (usage), else the client's estimate
     error: str | None = None
+    target: str = ""  # the endpoint's name when a run drives several (reliability, suite)
+    retry_after: str | None = None  # a refusal's Retry-After header, as sent
+    code: str | None = None  # the error body's "code" (overloaded, backend_unavailable, ...)
 
     @property
     def latency(self) -> float:

@@ -25,13 +25,8 @@ LOST_LABELS = {TRANSPORT_ERROR: "connection_error", TIMED_OUT: "timeout", CANCEL
 REFUSAL_STATUSES = frozenset({429, 503})
 
 
-@dataclass
-class RelRecord(RequestRecord):
-    """A request record plus the target it went to and the refusal's Retry-After header."""
-
-    target: str = ""
-    retry_after: str | None = None
-    code: str | None = None  # the error body's "code" (overloaded, backend_unavailable, ...)
+# The load generator's record carries the target, Retry-After and error code itself.
+RelRecord = RequestRecord
 
 
 def is_lost(record: RequestRecord) -> bool:

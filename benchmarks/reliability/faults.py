@@ -14,6 +14,7 @@ import asyncio
 import time
 from typing import Any
 
+from benchmarks.loadgen import Endpoint, LoadGenerator, LoadResult
 from benchmarks.reliability.analysis import (
     RelRecord,
     is_failed,
@@ -33,7 +34,7 @@ from benchmarks.reliability.common import (
     statuses_text,
     table,
 )
-from benchmarks.reliability.load import Endpoint, ReliabilityLoad, Run, capacity, endpoint
+from benchmarks.reliability.load import capacity, endpoint
 
 # scenario -> (app, deployment) of the replica to kill
 SCENARIOS: dict[str, tuple[str, str]] = {
@@ -48,7 +49,7 @@ SCENARIOS: dict[str, tuple[str, str]] = {
 
 
 async def measure_capacities(
-    gen: ReliabilityLoad, eps: dict[str, Endpoint], concurrency: int | None, duration_s: float
+    gen: LoadGenerator, eps: dict[str, Endpoint], concurrency: int | None, duration_s: float
 ) -> dict[str, dict[str, Any]]:
     out = {}
     for name, ep in eps.items():
@@ -60,7 +61,7 @@ async def measure_capacities(
 
 
 async def scenario(
-    gen: ReliabilityLoad,
+    gen: LoadGenerator,
     cluster: Cluster,
     name: str,
     eps: dict[str, Endpoint],
@@ -74,10 +75,10 @@ async def scenario(
         return {"scenario": name, "skipped": f"no replica of {app}/{dep}"}
     victim = victims[0]
     target_count = len(victims)
-    run = Run()
+    run = LoadResult()
     plan = [(eps[n], rates[n]) for n in eps if rates[n] > 0]
     load = asyncio.create_task(
-        gen.open_loop(plan, args.pre + args.post, seed=seed, run=run, drain_s=args.timeout + 5)
+        gen.run_open_mixed(plan, args.pre + args.post, seed=seed, run=run, drain_s=args.timeout + 5)
     )
     await asyncio.sleep(args.pre)
     kill_at = run.now()
@@ -242,7 +243,7 @@ async def main(args: Any, cluster: Cluster) -> dict[str, Any]:
     }
     out: dict[str, Any] = {"load": args.load, "pre_s": args.pre, "post_s": args.post}
     out["window_s"] = args.window
-    async with ReliabilityLoad(cluster.url, timeout_s=args.timeout, progress=False) as gen:
+    async with LoadGenerator(cluster.url, timeout_s=args.timeout, progress=False) as gen:
         for n in eps:
             await gen.wait_ready(f"/{n}/healthz")
         given = args.capacity or {}

@@ -1,26 +1,19 @@
 """Open-loop load on several endpoints at once, with every record visible while it runs.
 
-Reuses the harness's pooled client (``benchmarks.loadgen.LoadGenerator``), targets and
-workloads; adds what reliability needs: one merged Poisson timeline over several targets,
-the target and Retry-After of every answer, optional request headers (priority, deadline),
-and a live record list so a soak can report windows as it goes.
+The load itself is the harness's one generator (``benchmarks.loadgen.LoadGenerator``: one
+merged Poisson timeline over several endpoints, the target, Retry-After and error code of
+every answer, per-endpoint headers, a live record list a soak reads as it goes); this module
+adds the endpoints reliability drives (search, completions) and a capacity measurement.
 """
 
 from __future__ import annotations
 
-import asyncio
 import json
 import random
 import time
-from collections.abc import Sequence
-from dataclasses import dataclass, field
 from typing import Any
 
-import httpx
-
-from benchmarks.arrivals import poisson_arrivals
-from benchmarks.loadgen import CANCELLED, JSON_HEADERS, TIMED_OUT, TRANSPORT_ERROR, LoadGenerator
-from benchmarks.reliability.analysis import RelRecord
+from benchmarks.loadgen import Endpoint, LoadGenerator
 from benchmarks.targets import Answer, EmbeddingsTarget, RerankTarget, Target
 from benchmarks.workloads import (
     EmbedMix,
@@ -114,16 +107,6 @@ def short_generate_requests(
 LIGHT_RANK = RankMix(docs_min=2, docs_max=8, documents=LengthMix(low=8, high=128, median=32))
 
 
-@dataclass
-class Endpoint:
-    """One app under load: its target and requests (cycled)."""
-
-    name: str  # e.g. "embed", "search"
-    target: Target
-    requests: list[Request]
-    headers: dict[str, str] = field(default_factory=dict)
-
-
 def endpoint(name: str, prefix: str | None = None, seed: int = 0, max_tokens: int = 16) -> Endpoint:
     """The standard endpoint for an app name: embed, rank, search, generate (small)."""
     prefix = prefix or f"/{name}"
@@ -146,167 +129,18 @@ def endpoint(name: str, prefix: str | None = None, seed: int = 0, max_tokens: in
     raise ValueError(f"no endpoint named {name!r}; use embed, rank, search or generate")
 
 
-@dataclass
-class Run:
-    """Records of a run in progress (appended as answers arrive)."""
-
-    records: list[RelRecord] = field(default_factory=list)
-    t0: float = 0.0  # perf_counter at the start
-    wall_t0: float = 0.0  # time.time() at the start
-    planned: int = 0
-    in_flight: int = 0
-
-    def now(self) -> float:
-        return time.perf_counter() - self.t0
-
-
-class ReliabilityLoad(LoadGenerator):
-    """The harness's client, keeping Retry-After, error codes and per-endpoint headers."""
-
-    async def send(
-        self, ep: Endpoint, request: Request, body: bytes, index: int, scheduled: float, t0: float
-    ) -> RelRecord:
-        started = time.perf_counter() - t0
-        status, items, tokens, error = TRANSPORT_ERROR, 0, 0, None
-        retry_after = code = None
-        try:
-            resp = await self._client.post(
-                ep.target.path, content=body, headers={**JSON_HEADERS, **ep.headers}
-            )
-            status = resp.status_code
-            if 200 <= status < 300:
-                answer = ep.target.decode(request, resp.content)
-                items, tokens = answer.items, answer.tokens
-            else:
-                error = resp.text[:300]
-                retry_after = resp.headers.get("retry-after")
-                code = _error_code(resp.content)
-        except httpx.TimeoutException:
-            status, error = TIMED_OUT, f"no answer within {self.timeout_s:g} s"
-        except httpx.HTTPError as exc:
-            status, error = TRANSPORT_ERROR, f"{type(exc).__name__}: {exc}"[:300]
-        return RelRecord(
-            index=index,
-            scheduled=scheduled,
-            started=started,
-            finished=time.perf_counter() - t0,
-            status=status,
-            items=items,
-            tokens=tokens,
-            error=error,
-            target=ep.name,
-            retry_after=retry_after,
-            code=code,
-        )
-
-    async def open_loop(
-        self,
-        plan: Sequence[tuple[Endpoint, float]],
-        duration_s: float,
-        seed: int = 0,
-        run: Run | None = None,
-        drain_s: float | None = None,
-    ) -> Run:
-        """Poisson arrivals at ``rate`` per endpoint for ``duration_s``, merged in one timeline.
-
-        Waits up to ``drain_s`` (default: the client timeout) for the last answers; anything
-        still unanswered then is recorded as CANCELLED (lost).
-        """
-        rng = random.Random(seed)
-        timeline: list[tuple[float, int, int]] = []  # (at, endpoint index, request index)
-        for e, (ep, rate) in enumerate(plan):
-            if rate <= 0:
-                continue
-            times = poisson_arrivals(rate, duration_s, rng)
-            timeline.extend((t, e, i % len(ep.requests)) for i, t in enumerate(times))
-        timeline.sort()
-        bodies = [
-            [ep.target.encode(r) for r in ep.requests] for ep, _ in plan
-        ]  # serialised before the clock starts
-        run = run or Run()
-        run.planned = len(timeline)
-        run.t0 = time.perf_counter()
-        run.wall_t0 = time.time()
-        tasks: dict[int, asyncio.Task[RelRecord]] = {}
-        meta: dict[int, tuple[str, float]] = {}
-
-        def done(task: asyncio.Task[RelRecord]) -> None:
-            if task.cancelled():
-                return
-            record = task.result()
-            tasks.pop(record.index, None)
-            run.in_flight -= 1
-            run.records.append(record)
-
-        for index, (at, e, k) in enumerate(timeline):
-            delay = run.t0 + at - time.perf_counter()
-            if delay > 0:
-                await asyncio.sleep(delay)
-            ep = plan[e][0]
-            meta[index] = (ep.name, at)
-            task = asyncio.create_task(
-                self.send(ep, ep.requests[k], bodies[e][k], index, at, run.t0)
-            )
-            tasks[index] = task
-            run.in_flight += 1
-            task.add_done_callback(done)
-        deadline = time.perf_counter() + (drain_s if drain_s is not None else self.timeout_s + 5)
-        while tasks and time.perf_counter() < deadline:
-            await asyncio.wait(list(tasks.values()), timeout=0.5)
-        now = run.now()
-        for index, task in list(tasks.items()):
-            task.cancel()
-            name, at = meta[index]
-            run.records.append(
-                RelRecord(index, at, at, now, CANCELLED, error="no answer by the end", target=name)
-            )
-        if tasks:
-            await asyncio.gather(*tasks.values(), return_exceptions=True)
-        run.records.sort(key=lambda r: r.index)
-        return run
-
-    async def closed_loop(
-        self, ep: Endpoint, concurrency: int, duration_s: float, refusal_backoff_s: float = 0.5
-    ) -> list[RelRecord]:
-        """``concurrency`` clients back to back for ``duration_s`` (saturation throughput)."""
-        bodies = [ep.target.encode(r) for r in ep.requests]
-        records: list[RelRecord] = []
-        t0 = time.perf_counter()
-        counter = 0
-
-        async def client() -> None:
-            nonlocal counter
-            while time.perf_counter() - t0 < duration_s:
-                index = counter
-                counter += 1
-                k = index % len(ep.requests)
-                now = time.perf_counter() - t0
-                record = await self.send(ep, ep.requests[k], bodies[k], index, now, t0)
-                records.append(record)
-                if not record.ok:
-                    # A refused client that resent at once would turn saturation into a
-                    # refusal storm that burns the CPU it is measuring; back off a little.
-                    await asyncio.sleep(refusal_backoff_s)
-
-        await asyncio.gather(*(client() for _ in range(concurrency)))
-        return records
-
-
-def _error_code(content: bytes) -> str | None:
-    try:
-        err = json.loads(content).get("error") or {}
-        return str(err.get("code")) if err.get("code") else None
-    except (ValueError, AttributeError):
-        return None
-
-
 async def capacity(
-    gen: ReliabilityLoad, ep: Endpoint, concurrency: int, duration_s: float
+    gen: LoadGenerator, ep: Endpoint, concurrency: int, duration_s: float
 ) -> dict[str, Any]:
-    """Closed-loop saturation: successful requests per second at ``concurrency`` in flight."""
-    await gen.closed_loop(ep, min(concurrency, 4), 3.0)  # warm-up
+    """Closed-loop saturation: successful requests per second at ``concurrency`` in flight.
+
+    Clients honour Retry-After (0.5 s when none is sent), as a well-behaved client would.
+    """
+    await gen.run_closed(ep, None, min(concurrency, 4), 3.0, refusal_backoff_s=0.5)  # warm-up
     t = time.perf_counter()
-    records = await gen.closed_loop(ep, concurrency, duration_s)
+    records = (
+        await gen.run_closed(ep, None, concurrency, duration_s, refusal_backoff_s=0.5)
+    ).records
     span = max(time.perf_counter() - t, duration_s)
     ok = [r for r in records if r.ok]
     return {

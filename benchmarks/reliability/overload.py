@@ -16,24 +16,25 @@ import os
 import time
 from typing import Any
 
+from benchmarks.loadgen import Endpoint, LoadGenerator
 from benchmarks.reliability.analysis import phase_summary, ratio
 from benchmarks.reliability.cluster import Cluster, apply_overrides, parse_set, user_config
 from benchmarks.reliability.common import CAPACITY_CONCURRENCY, fmt, header_md, statuses_text, table
-from benchmarks.reliability.load import Endpoint, ReliabilityLoad, capacity, endpoint
+from benchmarks.reliability.load import capacity, endpoint
 
 # The deployment whose admission knobs matter for each app's overload behaviour.
 ADMITTING = {"embed": "embedder", "generate": "small", "rank": "ranker"}
 
 
-async def settle(gen: ReliabilityLoad, cluster: Cluster, seconds: float = 3.0) -> None:
+async def settle(gen: LoadGenerator, cluster: Cluster, seconds: float = 3.0) -> None:
     """Lets queues drain between phases."""
     await asyncio.sleep(seconds)
 
 
 async def phase(
-    gen: ReliabilityLoad, ep: Endpoint, rate: float, duration_s: float, seed: int
+    gen: LoadGenerator, ep: Endpoint, rate: float, duration_s: float, seed: int
 ) -> dict[str, Any]:
-    run = await gen.open_loop([(ep, rate)], duration_s, seed=seed)
+    run = await gen.run_open_mixed([(ep, rate)], duration_s, seed=seed)
     summary = phase_summary(run.records, duration_s)
     summary["rate"] = rate
     summary["loadavg_after"] = os.getloadavg()[0]
@@ -41,7 +42,7 @@ async def phase(
 
 
 async def overload_app(
-    gen: ReliabilityLoad,
+    gen: LoadGenerator,
     cluster: Cluster,
     app: str,
     args: Any,
@@ -70,7 +71,9 @@ async def overload_app(
         if override and not cluster.external:
             print(f"[{app}] redeploying with {label}", flush=True)
             await asyncio.to_thread(cluster.deploy, apply_overrides(base, override))
-            await gen.closed_loop(ep, 4, 3.0)  # refit the replica's cost model
+            await gen.run_closed(
+                ep, None, 4, 3.0, refusal_backoff_s=0.5
+            )  # refit the replica's cost model
         elif override:
             print(f"[{app}] --url: cannot apply {label}; skipped", flush=True)
             continue
@@ -203,7 +206,7 @@ async def main(args: Any, cluster: Cluster) -> dict[str, Any]:
     sweep = parse_sweep(args.sweep)
     apps = ["embed"] + (["generate"] if args.generate else [])
     out: dict[str, Any] = {"apps": [], "duration_s": args.duration}
-    async with ReliabilityLoad(cluster.url, timeout_s=args.timeout, progress=False) as gen:
+    async with LoadGenerator(cluster.url, timeout_s=args.timeout, progress=False) as gen:
         for app in apps:
             await gen.wait_ready(f"/{app}/healthz")
             app_sweep = [s for s in sweep if s[0] == app]

@@ -15,6 +15,7 @@ import math
 import time
 from typing import Any
 
+from benchmarks.loadgen import LoadGenerator, LoadResult
 from benchmarks.reliability.analysis import (
     drift,
     is_lost,
@@ -33,12 +34,12 @@ from benchmarks.reliability.common import (
     table,
 )
 from benchmarks.reliability.faults import measure_capacities
-from benchmarks.reliability.load import ReliabilityLoad, Run, endpoint
+from benchmarks.reliability.load import endpoint
 
 
 async def monitor(
     cluster: Cluster,
-    run: Run,
+    run: LoadResult,
     names: list[str],
     duration_s: float,
     window_s: float,
@@ -93,7 +94,7 @@ async def main(args: Any, cluster: Cluster) -> dict[str, Any]:
         "sample_s": args.sample,
         "warmup_s": args.warmup,
     }
-    async with ReliabilityLoad(cluster.url, timeout_s=args.timeout, progress=False) as gen:
+    async with LoadGenerator(cluster.url, timeout_s=args.timeout, progress=False) as gen:
         for n in names:
             await gen.wait_ready(f"/{n}/healthz")
         if args.rates:
@@ -114,14 +115,14 @@ async def main(args: Any, cluster: Cluster) -> dict[str, Any]:
             rates = shares_rates(shares, {n: c["rps"] for n, c in caps.items()}, args.load)
         out.update(capacities=caps, rates=rates)
         print("soak rates: " + ", ".join(f"{k} {v:.2f}/s" for k, v in rates.items()), flush=True)
-        run = Run()
+        run = LoadResult()
         memory: dict[str, list[tuple[float, float]]] = {}
         pids_seen: dict[str, list[int]] = {}
         plan = [(eps[n], rates[n]) for n in names if rates.get(n, 0) > 0]
         watch = asyncio.create_task(
             monitor(cluster, run, names, args.duration, args.window, args.sample, memory, pids_seen)
         )
-        await gen.open_loop(plan, args.duration, seed=11, run=run)
+        await gen.run_open_mixed(plan, args.duration, seed=11, run=run)
         await watch
     out.update(analyse(run, names, args, memory, pids_seen))
     out["finished_at"] = time.time()
@@ -129,7 +130,7 @@ async def main(args: Any, cluster: Cluster) -> dict[str, Any]:
 
 
 def analyse(
-    run: Run,
+    run: LoadResult,
     names: list[str],
     args: Any,
     memory: dict[str, list[tuple[float, float]]],
