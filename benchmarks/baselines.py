@@ -6,6 +6,9 @@ truncation, same padded forward), speak the same OpenAI wire format through the 
 carpool's executor does. Only the batching differs:
 
 - ``naive``: one forward pass per request (a request's own texts padded to its longest).
+- ``naive-rank``: the same for ``/rank``: one pass per request through the very scorer
+  carpool's ranker wraps (``deployments.ranker``: ``LlmPointwiseScorer`` or
+  ``CrossEncoderScorer``, serve.yaml's rank settings), so light-load latency compares.
 - ``serve-batch``: ``@serve.batch(max_batch_size=32)`` as Ray's docs show, one forward pass
   per collected batch padded to its longest text. The batch size counts texts
   (``batch_size_fn``), so 32 means 32 texts per pass whatever the texts-per-request mix.
@@ -33,8 +36,18 @@ from carpool.batching import BatchStats, PassRecord
 from carpool.errors import RequestError
 from carpool.http import MAX_BODY_BYTES, make_api
 from carpool.models import size_torch_threads
-from carpool.schemas import EmbeddingData, EmbeddingRequest, EmbeddingResponse, Usage
+from carpool.schemas import (
+    EmbeddingData,
+    EmbeddingRequest,
+    EmbeddingResponse,
+    RerankRequest,
+    RerankResponse,
+    RerankResult,
+    RerankUsage,
+    Usage,
+)
 from deployments.embedder import EmbedderConfig, TextEmbedder
+from deployments.ranker import CrossEncoderScorer, LlmPointwiseScorer, RankerConfig, sigmoid
 from pipelines.embed import encode_vector
 
 HISTOGRAM_KEY = "items_per_pass_histogram"
@@ -255,5 +268,83 @@ def build_servebatch_app(args: dict[str, Any] | None = None) -> Application:
     return (
         serve.deployment(ServeBatchEmbedder)
         .options(**_options("servebatch_embedder", parsed))
+        .bind(parsed.model_dump())
+    )
+
+
+class NaiveRankArgs(BaseModel):
+    """Arguments of the naive rank baseline: the ranker config carpool's rank app gets."""
+
+    model_config = ConfigDict(extra="forbid", protected_namespaces=())
+
+    ranker: RankerConfig = Field(default_factory=RankerConfig)
+    max_ongoing_requests: int = Field(default=1024, ge=1, description="As the embed baselines.")
+
+
+naive_rank_api = make_api("naive ranker", "One scoring pass per request.", MAX_BODY_BYTES)
+
+
+@serve.ingress(naive_rank_api)
+class NaiveRanker:
+    """One pass per request over all its (query, document) pairs; no batching across requests."""
+
+    def __init__(self, args: dict[str, Any]) -> None:
+        self.args = NaiveRankArgs.model_validate(args)
+        cfg = self.args.ranker
+        size_torch_threads(cfg.replica.num_cpus, cfg.replica.torch_threads)
+        cls = LlmPointwiseScorer if cfg.backend == "llm" else CrossEncoderScorer
+        self.scorer = cls(cfg)
+        self.stats = _PassStats()
+        self.model_lock = asyncio.Lock()  # one pass at a time, as carpool's executor
+
+    def _score(self, query: str, documents: list[str], truncate: bool) -> tuple[list[float], int]:
+        pairs = [pair for pair, _ in self.scorer.encode(query, documents, truncate)]
+        started = time.perf_counter()
+        scores = self.scorer.score(pairs)
+        lengths = [len(ids) for ids, _ in pairs]
+        self.stats.record(lengths, (time.perf_counter() - started) * 1000)
+        return scores, sum(lengths)
+
+    @naive_rank_api.post("/v1/rerank")
+    async def rerank(self, body: RerankRequest) -> JSONResponse:
+        if not body.documents:
+            raise RequestError(400, "no documents to rank; send at least one", param="documents")
+        async with self.model_lock:
+            scores, tokens = await asyncio.to_thread(
+                self._score, body.query, body.documents, body.truncate
+            )
+        order = sorted(range(len(scores)), key=lambda i: -scores[i])[: body.top_n]
+        response = RerankResponse(
+            model=self.scorer.name,
+            results=[
+                RerankResult(
+                    index=i, relevance_score=scores[i] if body.raw_scores else sigmoid(scores[i])
+                )
+                for i in order
+            ],
+            usage=RerankUsage(total_tokens=tokens),
+        )
+        return JSONResponse(response.model_dump(exclude_none=True))
+
+    @naive_rank_api.get("/v1/stats")
+    async def get_stats(self) -> dict[str, Any]:
+        return self.stats.snapshot()
+
+    @naive_rank_api.get("/v1/models")
+    async def models(self) -> dict[str, Any]:
+        return {"object": "list", "data": [{"id": self.scorer.name, "object": "model"}]}
+
+
+def build_naive_rank_app(args: dict[str, Any] | None = None) -> Application:
+    parsed = NaiveRankArgs.model_validate(args or {})
+    replica = parsed.ranker.replica
+    return (
+        serve.deployment(NaiveRanker)
+        .options(
+            name="naive_ranker",
+            num_replicas=replica.num_replicas,
+            max_ongoing_requests=parsed.max_ongoing_requests,
+            ray_actor_options={"num_cpus": replica.num_cpus, "num_gpus": replica.num_gpus},
+        )
         .bind(parsed.model_dump())
     )

@@ -29,11 +29,12 @@ DEFAULT_MODEL = "packaged:all-MiniLM-L6-v2"
 METRICS_INTERVAL_MS = 2000
 
 
-def serve_yaml_embed() -> tuple[dict[str, Any], dict[str, Any]]:
-    """serve.yaml's embed app: its ``args`` and the embedder deployment's ``user_config``.
+def serve_yaml_app(module: str, deployment: str) -> tuple[dict[str, Any], dict[str, Any]]:
+    """serve.yaml's app from ``pipelines.<module>``: its ``args`` and ``deployment``'s
+    ``user_config``.
 
-    The batching knobs may sit in either place (``args.embedder.batching`` is the app's
-    default; a ``deployments: [{name: embedder, user_config: ...}]`` entry overrides it, as
+    The batching knobs may sit in either place (``args.<model>.batching`` is the app's
+    default; a ``deployments: [{name: ..., user_config: ...}]`` entry overrides it, as
     ``serve deploy`` would), so both are read.
     """
     if not SERVE_CONFIG.is_file():
@@ -41,13 +42,32 @@ def serve_yaml_embed() -> tuple[dict[str, Any], dict[str, Any]]:
     with open(SERVE_CONFIG) as fh:
         config = yaml.safe_load(fh) or {}
     for app in config.get("applications", []):
-        if app.get("import_path", "").startswith("pipelines.embed"):
+        if app.get("import_path", "").startswith(f"pipelines.{module}:"):
             user_config: dict[str, Any] = {}
             for dep in app.get("deployments") or []:
-                if dep.get("name") == "embedder":
+                if dep.get("name") == deployment:
                     user_config = dict(dep.get("user_config") or {})
             return dict(app.get("args") or {}), user_config
     return {}, {}
+
+
+def serve_yaml_embed() -> tuple[dict[str, Any], dict[str, Any]]:
+    """serve.yaml's embed app: its ``args`` and the embedder's ``user_config``."""
+    return serve_yaml_app("embed", "embedder")
+
+
+def carpool_rank_args(resources: Resources) -> dict[str, Any]:
+    """``pipelines.rank`` args: serve.yaml's rank entry (its ranker model and replica as they
+    ship: the ranker is a different model, so the embedder's resources do not apply), with
+    the ranker's ``user_config`` folded into ``ranker.batching``."""
+    args, user_config = serve_yaml_app("rank", "ranker")
+    ranker = dict(args.get("ranker") or {})
+    ranker["batching"] = {**(ranker.get("batching") or {}), **user_config}
+    args["ranker"] = ranker
+    ingress = dict(args.get("ingress") or {})
+    ingress["num_cpus"] = resources.ingress_num_cpus
+    args["ingress"] = ingress
+    return args
 
 
 def _serve_yaml_num_cpus(fallback: float = 0.8) -> float:
@@ -125,6 +145,19 @@ def _build_carpool(resources: Resources, overrides: dict[str, Any]) -> Any:
     return build_embed_app(carpool_embed_args(resources, overrides))
 
 
+def _build_carpool_rank(resources: Resources, overrides: dict[str, Any]) -> Any:
+    from pipelines.rank import build_rank_app
+
+    return build_rank_app(carpool_rank_args(resources))
+
+
+def _build_naive_rank(resources: Resources, overrides: dict[str, Any]) -> Any:
+    from benchmarks.baselines import build_naive_rank_app
+
+    ranker = {k: v for k, v in carpool_rank_args(resources)["ranker"].items() if k != "batching"}
+    return build_naive_rank_app({"ranker": ranker, **overrides})
+
+
 def _build_carpool_wide(resources: Resources, overrides: dict[str, Any]) -> Any:
     from benchmarks.experimental import build_wide_embed_app
 
@@ -165,6 +198,20 @@ SYSTEMS: dict[str, SystemSpec] = {
         "embed",
         "one forward pass per request, no batching",
         _build_naive,
+    ),
+    "carpool-rank": SystemSpec(
+        "carpool-rank",
+        "/rank",
+        "rank",
+        "pipelines.rank: serve.yaml's rank app (SmolLM2 pointwise ranker, its knobs)",
+        _build_carpool_rank,
+    ),
+    "naive-rank": SystemSpec(
+        "naive-rank",
+        "/bench-naive-rank",
+        "rank",
+        "one scoring pass per request through the same ranker model wrapper",
+        _build_naive_rank,
     ),
     "serve-batch": SystemSpec(
         "serve-batch",
@@ -281,7 +328,7 @@ def _exit_on_sigterm_after_ray() -> None:
 
 def logical_cpus_needed(systems: list[SystemSpec], resources: Resources) -> float:
     """Logical CPUs to reserve so every replica schedules (see the module docstring)."""
-    need = len(systems) * resources.num_cpus
-    if any(s.name == "carpool" for s in systems):
-        need += resources.ingress_num_cpus
+    rank = carpool_rank_args(resources).get("ranker", {}).get("replica", {}).get("num_cpus", 0.5)
+    need = sum(float(rank) if s.kind == "rank" else resources.num_cpus for s in systems)
+    need += resources.ingress_num_cpus * sum(1 for s in systems if s.name.startswith("carpool"))
     return max(float(os.cpu_count() or 2), need + 0.1)
