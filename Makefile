@@ -80,7 +80,8 @@ format: install
 	$(VENV)/bin/ruff check --fix .
 	$(VENV)/bin/ruff format .
 
-# The standard benchmark suite (never part of `make test`); see benchmarks/README.md.
+# The standard benchmark suite (never part of `make test`; about 40 min on 2 cores: run it on
+# a quiet machine, two benchmarks at once measure nothing); see benchmarks/README.md.
 bench: models
 	$(PY) -m benchmarks suite
 

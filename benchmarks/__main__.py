@@ -86,7 +86,7 @@ def build_parser() -> argparse.ArgumentParser:
     suite = sub.add_parser("suite", help="the standard suite (make bench)")
     _common(suite)
     _resources(suite)
-    suite.add_argument("--quick", action="store_true", help="3-4 min harness check")
+    suite.add_argument("--quick", action="store_true", help="a few-minute harness check")
     suite.add_argument(
         "--systems", default="carpool,naive,serve-batch", help="comma-separated systems"
     )
@@ -100,10 +100,11 @@ def build_parser() -> argparse.ArgumentParser:
     suite.add_argument("--slo-ms", type=float, default=500.0)
     suite.add_argument(
         "--phases",
-        default="saturation,search,bursty,trace",
-        help="measured phases to run (comma-separated; the offline limit always runs)",
+        default="saturation,slo,goodput,light,burst,bulk",
+        help="measured phases to run (comma-separated; the offline limit always runs; also "
+        "'model', the discrete-event model)",
     )
-    suite.add_argument("--trace", default=DEFAULT_TRACE, help="trace CSV (relative to the repo)")
+    suite.add_argument("--rounds", type=int, help="paired rounds (default 3, --quick 2)")
     suite.add_argument("--seed", type=int, default=0)
     suite.add_argument(
         "--readme",
@@ -200,10 +201,11 @@ def cmd_suite(args: argparse.Namespace) -> int:
         variants=dict(args.variant),
         slo_ms=args.slo_ms,
         phases=[p for p in args.phases.split(",") if p],
-        trace=args.trace,
         seed=args.seed,
         progress=not args.no_progress,
     )
+    if args.rounds is not None:
+        values["rounds"] = args.rounds
     config = SuiteConfig.quick(**values) if args.quick else SuiteConfig(**values)
     out_dir = args.out or report.new_results_dir()
     out_dir.mkdir(parents=True, exist_ok=True)
@@ -223,7 +225,7 @@ def cmd_suite(args: argparse.Namespace) -> int:
         report.suite_plots(results, report.REPORT_DIR)
         report.write_readme(results)
         print(f"updated {report.README} and {report.REPORT_DIR}/")
-    print(report.suite_markdown(results).split("### Saturation")[0])
+    print(report.headline_markdown(results))
     print(f"results: {out_dir}")
     return 0
 

@@ -285,34 +285,11 @@ def plot_offline(offline: dict[str, Any], path: Path) -> Path:
 
 
 def suite_plots(results: dict[str, Any], out_dir: Path) -> list[Path]:
+    """The suite's figures are tables now; the offline limit keeps its curve."""
     out_dir.mkdir(parents=True, exist_ok=True)
-    made = []
-    if results.get("search"):
-        made.append(plot_latency_throughput(results, out_dir / "latency_vs_throughput.png"))
-        best = {n: s.get("best") for n, s in results["search"].items() if s.get("best")}
-        if best:
-            made.append(
-                plot_batch_histograms(
-                    best,
-                    out_dir / "batch_sizes_at_slo.png",
-                    "Items per forward pass at each system's highest rate with p99 <= SLO",
-                )
-            )
-    if results.get("trace", {}).get("runs"):
-        runs = results["trace"]["runs"]
-        made.append(plot_latency_cdf(runs, out_dir / "trace_latency_cdf.png", "Azure trace replay"))
-        made.append(
-            plot_batch_histograms(runs, out_dir / "batch_sizes_trace.png", "Azure trace replay")
-        )
-    if results.get("bursty", {}).get("runs"):
-        made.append(
-            plot_latency_cdf(
-                results["bursty"]["runs"], out_dir / "bursty_latency_cdf.png", "Bursty on/off"
-            )
-        )
     if results.get("offline", {}).get("points"):
-        made.append(plot_offline(results["offline"], out_dir / "offline_limit.png"))
-    return made
+        return [plot_offline(results["offline"], out_dir / "offline_limit.png")]
+    return []
 
 
 def runs_plots(runs: list[dict[str, Any]], out_dir: Path) -> list[Path]:
@@ -355,229 +332,129 @@ def _machine_md(results: dict[str, Any]) -> str:
     )
 
 
-def _window(scaling: dict[str, Any]) -> str:
-    window = scaling.get("window_s")
-    return f"{window[0]:.0f}-{window[1]:.0f} s" if window else "?"
+def spread(entry: dict[str, Any] | None, digits: int = 1) -> str:
+    """``median (min-max)`` of a paired figure; the rounds' spread beside its median."""
+    if not entry or entry.get("median") is None:
+        return "-"
+    lo, hi, med = entry["min"], entry["max"], entry["median"]
+    if lo == hi:
+        return fmt(float(med), digits)
+    return f"{fmt(float(med), digits)} ({fmt(float(lo), digits)}-{fmt(float(hi), digits)})"
+
+
+def headline_markdown(results: dict[str, Any]) -> str:
+    """The headline: every ratio the issue names, median (spread) over paired rounds."""
+    head = results.get("headline") or {}
+    rows = []
+    for key, f in (head.get("figures") or {}).items():
+        met = {True: "met", False: "**missed**", None: "-"}[f.get("met")]
+        digits = 0 if key.endswith("refused") else 2
+        rows.append([f"`{key}`", f["what"], spread(f, digits), f.get("target") or "-", met])
+    return table(["key", "what", "median (min-max)", "target", ""], rows)
+
+
+def _row(name: str, m: dict[str, Any], *extra: Any) -> list[Any]:
+    return [
+        name,
+        *extra,
+        spread(m.get("items_per_s")),
+        spread(m.get("p50_ms"), 0),
+        spread(m.get("p99_ms"), 0),
+        spread(m.get("refused"), 0),
+        spread(m.get("lost"), 0),
+    ]
+
+
+_COLS = ["items/s", "p50 ms", "p99 ms", "refused", "lost"]
 
 
 def suite_markdown(results: dict[str, Any], image_prefix: str = "") -> str:
-    """The suite report. ``image_prefix`` points image links at where the PNGs are."""
-    cfg = results.get("config", {})
-    head = results.get("headline", {})
-    slo = head.get("slo_ms", cfg.get("slo_ms", 500))
-    wl = results.get("workload", {})
-    res = cfg.get("resources", {})
-    out: list[str] = []
-    out.append(
-        f"Measured {results.get('machine_before', {}).get('time', '?')} in "
-        f"{results.get('duration_s', 0) / 60:.1f} min with:\n"
-    )
-    out.append(f"```\n{results.get('command', '.venv/bin/python -m benchmarks suite')}\n```\n")
-    if results.get("rendered_with"):
-        out.append(f"Report rendered from its results.json with `{results['rendered_with']}`.\n")
-    out.append(f"**Machine.** {_machine_md(results)}\n")
-    out.append(
-        f"**Setup.** Every system serves `{res.get('model')}` from one Serve instance on "
-        f"127.0.0.1 (HTTP proxy), each model replica with num_cpus {res.get('num_cpus')} and "
-        f"{res.get('torch_threads')} torch thread(s), measured one after another in this run. "
-        f"Load: asyncio + httpx on the same machine, base64 responses (as the OpenAI SDK asks). "
-        f"Workload `embed-mixed`: {wl.get('texts_min')}-{wl.get('texts_max')} texts per request "
-        f"(mean {fmt(wl.get('mean_texts_per_request'), 2)}), text lengths log-normal "
-        f"(median {wl.get('lengths', {}).get('median')}, sigma {wl.get('lengths', {}).get('sigma')}) "
-        f"clipped to {wl.get('lengths', {}).get('low')}-{wl.get('lengths', {}).get('high')} "
-        f"tokens; the model truncates at 256.\n"
-    )
-    systems = results.get("systems", {})
-    if systems:
-        out.append("Systems:\n")
-        for name, s in systems.items():
-            out.append(f"- `{name}` ({s['prefix']}): {s['description']}")
-        batching = systems.get("carpool", {}).get("args", {}).get("embedder", {}).get("batching")
-        if batching:
-            out.append(f"\ncarpool batching knobs: `{json.dumps(batching)}`\n")
-        out.append("")
-
-    # headline
-    out.append(f"### Highest rate with p99 <= {slo:g} ms (Poisson arrivals, mixed lengths)\n")
-    rows = []
-    search = results.get("search", {})
-    for name in search:
-        best = search[name].get("best")
-        r = run_row(name, best)
-        rows.append([r[0], head.get("rows", {}).get(name, {}).get("max_rate_rps"), *r[1:]])
-    off = head.get("offline_items_per_s")
-    if off:
-        rows.append(
-            [
-                f"offline limit (batch {head.get('offline_batch_size')}, sorted)",
-                "-",
-                "-",
-                off,
-                results.get("offline", {}).get("best", {}).get("tokens_per_s"),
-            ]
-            + ["-"] * 9
-        )
-    out.append(table(["system", "max rate req/s", *RUN_HEADERS[1:]], rows))
-    out.append("")
-    ratios = head.get("ratios", {})
-    if ratios:
-        out.append("**Ratios** (items/s at each system's highest rate with p99 within the SLO):\n")
-        for key, value in ratios.items():
-            target = head.get("targets", {}).get(key)
-            met = head.get("met", {}).get(key)
-            verdict = (
-                "" if target is None else f" (target >= {target:g}: {'met' if met else 'missed'})"
-            )
-            out.append(f"- {key}: **{fmt(value, 2)}x**{verdict}")
-        out.append("")
-    out.append(
-        "Latency percentiles are over successful requests, measured from each request's "
-        "scheduled arrival. The SLO test counts failed requests as infinitely slow. "
-        "`items/pass` and `padding waste` come from the replica's stats, before/after deltas.\n"
-    )
-    if results.get("search"):
-        out.append(f"![latency vs throughput]({image_prefix}latency_vs_throughput.png)\n")
-        out.append(f"![batch sizes at the SLO rate]({image_prefix}batch_sizes_at_slo.png)\n")
-
-    # model
-    model = results.get("model")
-    if model:
-        cm = model["cost_model"]
-        out.append(f"### Model: the same policies without serving or noise (p99 <= {slo:g} ms)\n")
-        out.append(
-            f"A discrete-event model (`benchmarks/simulate.py`) replays the same requests with "
-            f"Poisson arrivals for {model['seconds']:g} simulated seconds per rate, each forward "
-            f"pass costing {cm['per_pass_ms']:.1f} ms + {cm['per_padded_token_ms']:.3f} ms per "
-            f"padded token (fitted to the offline runs), with carpool's own splitters and "
-            f"@serve.batch's collection as Ray 2.60 does it. No HTTP, no hops, no contention: "
-            f"the gap to the measured table is what serving costs here.\n"
-        )
-        rows = [
-            [
-                name,
-                m["max_rate_rps"],
-                m["items_per_s"],
-                m["p50_ms"],
-                m["p99_ms"],
-                m["overload_items_per_s"],
-            ]
-            for name, m in model["systems"].items()
+    """Paired tables: each cell is the median over rounds with the min-max in brackets."""
+    c = results.get("config", {})
+    rounds = c.get("rounds", "?")
+    out = [
+        f"Run: `{results.get('command', '?')}` "
+        f"({fmt((results.get('duration_s') or 0) / 60, 0)} min). {_machine_md(results)}",
+        "",
+        f"Paired: the systems take turns in {rounds} rounds (A B C, B C A, ...); every cell is "
+        "the median of the rounds with the min-max beside it, and every ratio is taken round "
+        f"by round before the median. A window is {c.get('window_requests')} requests or "
+        f"{fmt(c.get('window_s'), 0)} s, whichever comes first. Client timeout "
+        f"{fmt(c.get('client_timeout_s'), 0)} s, so a queued request is not counted lost.",
+        "",
+        "### Headline",
+        "",
+        headline_markdown(results),
+    ]
+    if sat := results.get("saturation"):
+        out += [
+            "",
+            f"### Capacity: closed loop, {c.get('concurrency')} clients (Retry-After honoured)",
+            "",
         ]
-        out.append(
-            table(
-                ["policy", "max rate req/s", "items/s", "p50 ms", "p99 ms", "items/s overloaded"],
-                rows,
+        out.append(table(["system", *_COLS], [_row(n, m) for n, m in sat.items()]))
+    if slo := results.get("slo"):
+        out += [
+            "",
+            f"### Highest Poisson rate with p99 <= {fmt(c.get('slo_ms'), 0)} ms, and with p99 "
+            f"slowdown <= {fmt(c.get('slo_slowdown'), 0)}",
+            "",
+            "A request's slowdown is its latency over its own latency on the idle system "
+            "(every distinct request of the pool measured alone, fastest of "
+            f"{c.get('idle_passes')}). Each system's rate was searched once with short probes "
+            f"({c.get('search_requests')} requests, starting at 0.7 of its capacity), then "
+            "confirmed in the paired rounds shown here.",
+            "",
+        ]
+        rows = []
+        for name, node in slo.items():
+            for crit, label in (("slo_ms", "p99 <= SLO"), ("slowdown", "slowdown")):
+                m = node.get(crit)
+                if m:
+                    passed = f"{m.get('passed_rounds')}/{len(m.get('windows', []))}"
+                    rows.append(_row(name, m, label, fmt(m.get("rate"), 2), passed))
+        out.append(table(["system", "criterion", "rate req/s", "rounds passed", *_COLS], rows))
+        idle = results.get("idle", {})
+        out += [
+            "",
+            "Idle latency: "
+            + "; ".join(
+                f"{n} p50 {fmt(v.get('p50_ms'), 0)} ms, max {fmt(v.get('max_ms'), 0)} ms"
+                for n, v in idle.items()
             )
-        )
-        out.append("")
-
-    # saturation
-    if results.get("saturation"):
-        c = cfg.get("saturation_concurrency")
-        out.append(f"### Saturation: closed loop, {c} concurrent requests\n")
-        out.append(table(RUN_HEADERS, [run_row(n, r) for n, r in results["saturation"].items()]))
-        out.append("")
-
-    # bursty
-    bursty = results.get("bursty", {})
-    if bursty.get("runs"):
-        out.append(
-            f"### Bursty on/off: mean {fmt(bursty['mean_rate'], 2)} req/s "
-            f"({cfg.get('bursty_on_s')} s on at "
-            f"{fmt(bursty['mean_rate'] * (cfg.get('bursty_on_s', 1) + cfg.get('bursty_off_s', 1)) / cfg.get('bursty_on_s', 1), 2)} req/s, "
-            f"{cfg.get('bursty_off_s')} s off; {cfg.get('bursty_load')} of the offline limit)\n"
-        )
-        out.append(table(RUN_HEADERS, [run_row(n, r) for n, r in bursty["runs"].items()]))
-        out.append(f"\n![bursty latency CDF]({image_prefix}bursty_latency_cdf.png)\n")
-
-    # trace
-    trace = results.get("trace", {})
-    if trace.get("runs"):
-        sc = trace["scaling"]
-        out.append(
-            f"### Production trace replay: {sc['requests']} requests in {cfg.get('trace_s')} s "
-            f"({fmt(trace['rate'], 2)} req/s)\n"
-        )
-        out.append(
-            f"Scale factors: time compressed **{sc['time_factor']:.2f}x** (trace window "
-            f"{_window(sc)} of the hour), context tokens x "
-            f"**{sc['token_scale']:g}** (one text per request, clipped to 4-512; mean "
-            f"{sc['context_tokens_mean']:.0f}, p50 {sc['context_tokens_p50']:.0f}), generated "
-            f"tokens x {sc['generated_token_scale']:g} (unused for embeddings). Rate: "
-            f"{cfg.get('trace_load')} of the offline limit's token throughput.\n"
-        )
-        out.append(table(RUN_HEADERS, [run_row(n, r) for n, r in trace["runs"].items()]))
-        out.append(f"\n![trace latency CDF]({image_prefix}trace_latency_cdf.png)\n")
-        out.append(f"![trace batch sizes]({image_prefix}batch_sizes_trace.png)\n")
-        out.append(f"Trace: {TRACE_ATTRIBUTION}\n")
-
-    # offline
-    offline = results.get("offline", {})
-    if offline.get("points"):
-        out.append(
-            f"### Offline limit: {offline['items']} texts ({offline['real_tokens']} tokens), "
-            f"{offline['torch_threads']} torch thread(s), no serving\n"
-        )
-        out.append(
-            table(
-                ["order", "batch size", "items/s", "tokens/s", "padded tokens/s"],
-                [
-                    [
-                        p["order"],
-                        p["batch_size"],
-                        p["items_per_s"],
-                        p["tokens_per_s"],
-                        p["padded_tokens_per_s"],
-                    ]
-                    for p in offline["points"]
-                ],
-            )
-        )
-        cm = offline.get("cost_model")
-        if cm:
-            out.append(
-                f"\nFitted cost of a forward pass: **{cm['per_pass_ms']:.1f} ms per pass + "
-                f"{cm['per_padded_token_ms']:.3f} ms per padded token**, so one pass costs as much "
-                f"as ~{cm['pass_overhead_tokens']:.0f} tokens (carpool's `pass_overhead_tokens`)."
-            )
-        out.append(f"\n![offline limit]({image_prefix}offline_limit.png)\n")
-
-    # search log
-    if results.get("search"):
-        out.append("### Search probes\n")
-        probe_rows = []
-        for name, s in results["search"].items():
-            for run in s["probes"]:
-                sm = run["summary"]
-                probe_rows.append(
-                    [
-                        name,
-                        run["tags"].get("rate"),
-                        sm["items_per_s"],
-                        sm["latency_ms"]["p50"],
-                        sm["slo_p99_ms"],
-                        f"{sm['ok']}/{sm['sent']}",
-                        "pass" if run["tags"].get("passed") else "fail",
-                        run.get("aborted") or "",
-                    ]
-                )
-        out.append(
-            table(
-                [
-                    "system",
-                    "offered req/s",
-                    "items/s",
-                    "p50 ms",
-                    "p99 ms (SLO)",
-                    "ok/sent",
-                    "SLO",
-                    "note",
-                ],
-                probe_rows,
-            )
-        )
-        out.append("")
-    return "\n".join(out)
+            + ".",
+        ]
+    if gp := results.get("goodput"):
+        out += [
+            "",
+            "### Goodput: clients that ignore Retry-After, and Poisson overload",
+            "",
+            "Accepted (2xx) items/s; capacity is the same system's closed-loop figure above.",
+            "",
+        ]
+        rows = [_row(name, m, cond) for name, runs in gp.items() for cond, m in runs.items()]
+        out.append(table(["system", "load", *_COLS], rows))
+    if light := results.get("light"):
+        out += ["", f"### Light load: Poisson at {c.get('light_load')} of naive's capacity", ""]
+        rows = [
+            _row(n, m, fmt(m.get("rate"), 2))
+            for n, m in light.items()
+            if not n.endswith("_capacity")
+        ]
+        out.append(table(["system", "rate req/s", *_COLS], rows))
+    for key, what in (("burst", "Burst: requests sent at once"), ("bulk", "Bulk clients")):
+        if node := results.get(key):
+            out += ["", f"### {what} (carpool)", ""]
+            out.append(table(["", *_COLS], [_row(key, node)]))
+    if off := results.get("offline", {}).get("best"):
+        out += [
+            "",
+            f"Offline limit (the bare model, no serving): {fmt(off.get('items_per_s'))} items/s "
+            f"at batch {off.get('batch_size')}.",
+            "",
+            f"![offline limit]({image_prefix}offline_limit.png)",
+        ]
+    return "\n".join(out) + "\n"
 
 
 def runs_markdown(results: dict[str, Any]) -> str:
@@ -615,50 +492,24 @@ def _json_default(obj: Any) -> Any:
     raise TypeError(f"cannot serialise {type(obj).__name__}")
 
 
-README_HEAD = """# carpool benchmarks
-
-Batching strategies side by side under realistic load, against the plain alternatives and
-the model's own limit. Generated by `python -m benchmarks suite` (`make bench`); the harness
-is in this folder, raw results of every run go to `benchmarks/results/<timestamp>/`
-(git-ignored), the PNGs below to `benchmarks/report/`.
-
-## How to run
-
-```
-make bench                                   # the standard suite (about 12-13 min on 2 cores)
-.venv/bin/python -m benchmarks suite --quick # a 3-4 min check of the harness
-.venv/bin/python -m benchmarks run --system carpool --system naive --arrival poisson --rate 10
-.venv/bin/python -m benchmarks run --url http://127.0.0.1:8000 --prefix /embed --arrival closed --concurrency 16
-.venv/bin/python -m benchmarks run --system carpool --workload trace --arrival replay --rate 20
-.venv/bin/python -m benchmarks run --system carpool --workload my.jsonl --arrival sweep --rates 5,10,20
-.venv/bin/python -m benchmarks offline       # the bare model's throughput by batch size
-.venv/bin/python -m benchmarks trace-info    # the trace window and scale factors for a rate
-.venv/bin/python -m benchmarks suite --systems carpool,carpool-wide --variant 'small={"max_batch_tokens": 2048}' --phases saturation,search
-.venv/bin/python -m benchmarks report benchmarks/results/<time>/results.json --readme
-```
-
-The suite starts its own Ray (token auth off, no dashboard) and Serve on 127.0.0.1:8100
-(`--port`), deploys carpool's `pipelines.embed` app (serve.yaml's knobs, overridable with
-`--carpool-batching '{...}'`) and the two baselines beside it, each with its own route prefix
-and `/v1/stats`, then measures them one after another. `run` does the same for the systems
-named, or drives any server already running (`--url`). Workloads: `embed-mixed`,
-`rank-mixed` (built-in generators), `trace` (the Azure trace), or a JSONL file of request
-bodies (`{"input": [...]}`, `{"query": ..., "documents": [...]}`, optional `arrival_s`).
-Arrivals: `poisson`, `bursty`, `sweep` (Poisson at each of `--rates`), `search` (highest rate
-within the SLO), `closed` (fixed concurrency), `replay` (the workload's own times).
-`--variant NAME='{knobs}'` adds carpool deployments with other batching knobs to the same run;
-`carpool-wide` is a former experiment, now carpool's default (`experimental.py`); `report`
-re-renders a suite's report, plots and (with `--readme`) this file from its `results.json`.
-Tests of the harness itself (no speed claims): `tests/unit/test_bench_harness.py`,
-`tests/integration/test_bench_smoke.py` (a fake server with known latency).
-
-## Results
-
-"""
+HEADLINE_JSON = BENCH_DIR / "headline.json"
+RESULTS_HEADING = "## Results"
 
 
 def write_readme(results: dict[str, Any], readme: Path = README) -> Path:
+    """Rewrites the results section of README.md (everything above it is hand-written) and
+    writes headline.json beside it."""
+    text = readme.read_text() if readme.is_file() else "# carpool benchmarks\n\n"
+    head = text.split(RESULTS_HEADING)[0].rstrip() + "\n\n"
     body = suite_markdown(results, image_prefix="report/")
     analysis = ANALYSIS.read_text() if ANALYSIS.is_file() else ""
-    readme.write_text(README_HEAD + body + "\n" + (f"\n{analysis.strip()}\n" if analysis else ""))
+    readme.write_text(
+        head + RESULTS_HEADING + "\n\n" + body + (f"\n{analysis.strip()}\n" if analysis else "")
+    )
+    headline = {
+        "command": results.get("command"),
+        "started_at": results.get("started_at"),
+        **(results.get("headline") or {}),
+    }
+    write_json(headline, readme.parent / HEADLINE_JSON.name)
     return readme

@@ -371,34 +371,156 @@ def test_search_respects_the_probe_budget_and_reports_nothing_passing() -> None:
 # --- report ------------------------------------------------------------------------------
 
 
-def test_headline_ratios_and_markdown() -> None:
-    from benchmarks.report import suite_markdown
+def _windows(values: list[float], key: str = "items_per_s") -> dict:
+    from benchmarks.suite import median_spread
+
+    windows = [{key: v, "refused": 0, "lost": 0} for v in values]
+    return {"windows": windows, key: median_spread(values)}
+
+
+def _paired_results() -> dict:
+    """Three rounds of every phase the headline reads, with hand-picked figures."""
+    return {
+        "config": {"slo_ms": 500, "slo_slowdown": 5, "rounds": 3},
+        "offline": {"best": {"items_per_s": 100.0, "batch_size": 64}},
+        "saturation": {"carpool": _windows([40, 36, 44]), "naive": _windows([20, 20, 22])},
+        "slo": {
+            "carpool": {"slo_ms": _windows([30, 33, 27]), "slowdown": _windows([20, 20, 20])},
+            "naive": {"slo_ms": _windows([10, 10, 10]), "slowdown": _windows([10, 10, 10])},
+            "serve-batch": {"slo_ms": _windows([30, 30, 30]), "slowdown": _windows([5, 5, 5])},
+        },
+        "goodput": {
+            "carpool": {
+                "closed_32": _windows([40, 36, 44]),
+                "closed_300": _windows([36, 36, 36]),
+                "open_3x": _windows([20, 18, 22]),
+                "open_10x": _windows([40, 36, 44]),
+            }
+        },
+        "light": {
+            "carpool": _windows([11, 10, 12], "p50_ms"),
+            "naive": _windows([10, 10, 10], "p50_ms"),
+        },
+        "burst": {"windows": [{"refused": 0}, {"refused": 2}, {"refused": 0}]},
+        "bulk": {"windows": [{"refused": 0}]},
+    }
+
+
+def test_round_orders_rotate_so_each_system_leads_once() -> None:
+    from benchmarks.suite import round_orders
+
+    assert round_orders(["A", "B", "C"], 3) == [["A", "B", "C"], ["B", "C", "A"], ["C", "A", "B"]]
+    assert round_orders(["A", "B"], 3) == [["A", "B"], ["B", "A"], ["A", "B"]]
+    assert round_orders([], 3) == []
+
+
+def test_median_spread_and_paired_ratios() -> None:
+    from benchmarks.suite import median_spread, paired_ratios
+
+    m = median_spread([3.0, 1.0, None, math.nan, 2.0])
+    assert (m["median"], m["min"], m["max"]) == (2.0, 1.0, 3.0)
+    assert median_spread([None])["median"] is None
+    # round by round, not median over median: (4/2, 9/3, 1/0 -> None)
+    assert paired_ratios([4.0, 9.0, 1.0], [2.0, 3.0, 0.0]) == [2.0, 3.0, None]
+    assert paired_ratios([1.0, None], [1.0, 1.0]) == [1.0, None]
+
+
+def test_slowdown_is_latency_over_the_same_requests_idle_latency() -> None:
+    from benchmarks.suite import slowdowns
+
+    records = [_rec(0, 0.0, 0.2), _rec(1, 1.0, 1.05), _rec(2, 2.0, 2.1, status=503)]
+    keys = [7, 3, 7]  # records 0 and 2 are pool request 7, record 1 is pool request 3
+    assert slowdowns(records, keys, {7: 50.0, 3: 25.0}) == pytest.approx([4.0, 2.0, math.inf])
+    assert slowdowns([_rec(0, 0.0, 0.1)], [9], {}) == [math.inf]  # no idle figure: a miss
+
+
+def test_window_duration_is_requests_or_seconds_whichever_first() -> None:
+    from benchmarks.suite import window_duration
+
+    assert window_duration(10.0, 300, 60.0) == 30.0
+    assert window_duration(2.0, 300, 60.0) == 60.0
+
+
+def test_headline_keys_ratios_and_met_or_missed() -> None:
+    from benchmarks.report import headline_markdown, suite_markdown
     from benchmarks.suite import headline
 
-    def run(items: float) -> dict:
-        return {
-            "summary": summarize([_rec(0, 0.0, 0.1, items=int(items))], window_s=1.0).to_dict(),
-            "replica": {"mean_items_per_pass": 3.0, "padding_waste_ratio": 0.25},
-            "tags": {"rate": 1.0, "passed": True},
-            "aborted": None,
-        }
-
-    results = {
-        "config": {"slo_ms": 500, "resources": {"model": "m", "num_cpus": 0.8}},
-        "search": {
-            name: {"rate": items / 4, "best": run(items), "probes": [run(items)]}
-            for name, items in (("carpool", 60), ("naive", 20), ("serve-batch", 30))
-        },
-        "offline": {"best": {"items_per_s": 75.0, "batch_size": 64}},
-    }
-    results["headline"] = head = headline(results, 500)
-    assert head["ratios"]["carpool / naive"] == pytest.approx(3.0)
-    assert head["ratios"]["carpool / serve-batch"] == pytest.approx(2.0)
-    assert head["ratios"]["carpool / offline limit"] == pytest.approx(0.8)
-    assert all(head["met"].values())
+    results = _paired_results()
+    results["headline"] = head = headline(results)
+    f = head["figures"]
+    for key in (
+        "vs_naive",
+        "vs_serve_batch",
+        "vs_offline",
+        "goodput_3x",
+        "goodput_10x",
+        "goodput_closed_32",
+        "goodput_closed_300",
+        "closed_32_vs_naive",
+        "slowdown_vs_naive",
+        "slowdown_vs_serve_batch",
+        "light_load_p50_vs_naive",
+        "light_load_p50_vs_naive_rank",
+        "burst_refused",
+        "bulk_refused",
+    ):
+        assert key in f and "median" in f[key] and "min" in f[key], key
+    assert f["vs_naive"]["median"] == pytest.approx(3.0) and f["vs_naive"]["met"]
+    assert (f["vs_naive"]["min"], f["vs_naive"]["max"]) == pytest.approx((2.7, 3.3))
+    assert f["vs_serve_batch"]["median"] == pytest.approx(1.0) and not f["vs_serve_batch"]["met"]
+    assert f["vs_offline"]["median"] == pytest.approx(0.3) and f["vs_offline"]["met"] is None
+    assert f["goodput_closed_32"]["median"] == pytest.approx(1.0) and f["goodput_closed_32"]["met"]
+    assert f["goodput_3x"]["median"] == pytest.approx(0.5) and not f["goodput_3x"]["met"]
+    assert f["closed_32_vs_naive"]["rounds"] == pytest.approx([2.0, 1.8, 2.0])
+    assert f["light_load_p50_vs_naive"]["median"] == pytest.approx(1.1)
+    assert f["light_load_p50_vs_naive"]["met"]  # <= 1.1
+    assert f["light_load_p50_vs_naive_rank"]["median"] is None  # not measured: missed
+    assert not f["light_load_p50_vs_naive_rank"]["met"]
+    assert f["burst_refused"]["median"] == 0 and not f["burst_refused"]["met"]  # one round had 2
+    assert f["bulk_refused"]["met"]
+    assert not head["all_met"] and head["met"]["vs_naive"]
+    assert "`vs_naive`" in headline_markdown(results)
     text = suite_markdown(results)
-    assert "carpool / naive: **3.00x** (target >= 3: met)" in text
-    assert "| carpool |" in text
+    assert "3.00 (2.70-3.30)" in text and "**missed**" in text
+
+
+def test_report_writes_headline_json_beside_the_readme(tmp_path: Path) -> None:
+    from benchmarks.report import write_readme
+    from benchmarks.suite import headline
+
+    results = _paired_results()
+    results["headline"] = headline(results)
+    readme = tmp_path / "README.md"
+    readme.write_text("# b\n\n## How to run\n\nkept by hand\n\n## Results\n\nSTALE-FIGURES\n")
+    write_readme(results, readme)
+    text = readme.read_text()
+    assert "kept by hand" in text and "STALE-FIGURES" not in text and "### Headline" in text
+    saved = json.loads((tmp_path / "headline.json").read_text())
+    assert saved["figures"]["vs_naive"]["median"] == pytest.approx(3.0)
+
+
+def test_merged_records_keep_the_real_answer_over_a_cancelled_placeholder() -> None:
+    from benchmarks.loadgen import CANCELLED, merge_records
+
+    real = _rec(1, 0.0, 0.1)
+    merged = merge_records(
+        [
+            _rec(2, 0.0, 0.1),
+            RequestRecord(1, 0.0, 0.0, 0.5, CANCELLED),
+            real,
+            RequestRecord(3, 0.0, 0.0, 0.5, CANCELLED),
+        ]
+    )
+    assert [r.index for r in merged] == [1, 2, 3]
+    assert merged[0] is real and merged[2].status == CANCELLED
+
+
+def test_retry_after_seconds() -> None:
+    from benchmarks.loadgen import retry_after_s
+
+    assert retry_after_s("2", 0.5) == 2.0
+    assert retry_after_s(None, 0.5) == 0.5
+    assert retry_after_s("Wed, 21 Oct 2015 07:28:00 GMT", 0.5) == 0.5
 
 
 def test_cli_parses_every_subcommand() -> None:
