@@ -56,7 +56,9 @@ def build_parser() -> argparse.ArgumentParser:
         sp.add_argument("--url", default=None, help="measure a server already running instead")
         sp.add_argument("--ray-address", default=None, help="with --url: its Ray (for kills)")
         sp.add_argument("--port", type=int, default=None, help="HTTP port (default: a free one)")
-        sp.add_argument("--timeout", type=float, default=30.0, help="client timeout, s (= lost)")
+        # Long: the default admission queues up to 30 s of work before it refuses, and a
+        # request that waits its turn is not lost.
+        sp.add_argument("--timeout", type=float, default=120.0, help="client timeout, s (= lost)")
         sp.add_argument(
             "--cap-concurrency",
             type=int,
@@ -89,9 +91,17 @@ def build_parser() -> argparse.ArgumentParser:
     o.add_argument("--duration", type=float, default=30.0, help="seconds per phase")
     o.add_argument("--normal", type=float, default=0.75, help="normal load, x capacity")
     o.add_argument("--factor", type=float, default=3.0, help="overload, x capacity")
-    o.add_argument("--max-ratio", type=float, default=2.0, help="target p99 overload/normal")
+    o.add_argument(
+        "--min-goodput",
+        type=float,
+        default=0.9,
+        help="target: accepted items/s under overload / capacity items/s",
+    )
     o.add_argument("--settle", type=float, default=5.0, help="pause between phases, s")
     o.add_argument("--generate", action="store_true", help="also the generate app (small)")
+    o.add_argument(
+        "--no-refusal-cost", action="store_true", help="skip measuring the CPU of a refusal"
+    )
     o.add_argument(
         "--sweep",
         action="append",
