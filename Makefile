@@ -24,7 +24,7 @@ SUDO := $(shell [ "$$(id -u)" = 0 ] || echo sudo)
 # GBs of CUDA packages). Machines whose pip already finds a local wheel (find-links) use it.
 TORCH_PIP_ARGS ?= $(shell command -v nvidia-smi >/dev/null 2>&1 || $(PYTHON) -m pip config list 2>/dev/null | grep -q find-links || echo --extra-index-url https://download.pytorch.org/whl/cpu)
 
-.PHONY: install models prometheus monitor dashboards serve test test-unit test-integration test-e2e lint format bench stop clean reliability soak
+.PHONY: install models prometheus monitor dashboards serve test test-unit test-integration test-e2e lint format bench stop clean reliability soak bench-peers
 
 install: $(INSTALLED)
 
@@ -100,3 +100,9 @@ reliability: models
 # Holds 80% of measured capacity on embed, rank, search (+ a trickle of generate) for 10 min.
 soak: models
 	$(PY) -m benchmarks.reliability soak --duration 600 --load 0.8
+
+# carpool against real peers (Infinity, vLLM CPU) on the same models; installs each peer into
+# ~/.cache/carpool/peers/<name> on first use; about 60 min; never part of `make test`.
+# Writes benchmarks/peers.json and the tables in benchmarks/PEERS.md; see that file.
+bench-peers: models
+	flock /tmp/carpool-bench.lock $(PY) -m benchmarks peers all

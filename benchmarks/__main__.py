@@ -171,6 +171,10 @@ def build_parser() -> argparse.ArgumentParser:
         "--readme", action="store_true", help="also update benchmarks/README.md and report/*.png"
     )
 
+    from benchmarks import peers  # issue 13: its options and handler live in that module
+
+    peers.add_arguments(sub.add_parser("peers", help="carpool vs Infinity and vLLM (bench-peers)"))
+
     info = sub.add_parser("trace-info", help="trace statistics and the scaling for a rate")
     info.add_argument("--trace", default=DEFAULT_TRACE)
     info.add_argument("--rate", type=float, default=20.0)
@@ -485,6 +489,7 @@ def main(argv: list[str] | None = None) -> int:
         "offline": cmd_offline,
         "report": cmd_report,
         "trace-info": cmd_trace_info,
+        "peers": __import__("benchmarks.peers").peers.run,
     }
     return handlers[args.command](args)
 

