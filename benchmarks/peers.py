@@ -1133,17 +1133,20 @@ def run(args: argparse.Namespace) -> int:
     command = shlex.join([".venv/bin/python", "-m", "benchmarks", *sys.argv[1:]])
     t0 = time.monotonic()
     new: dict[str, Any] = {"command": command, "load_before": load_note()}
-    if args.phase in ("all", "embed"):
-        new["embed"] = run_embed(args, log_dir)
-    if args.phase in ("all", "generate"):
-        new["generate"] = run_generate(args, log_dir)
-    new["finished"] = time.strftime("%Y-%m-%d %H:%M:%S")
-    new["wall_s"] = time.monotonic() - t0
     old = json.loads(args.out.read_text()) if args.out.exists() else {}
-    results = merge_results(old, new)
-    args.out.write_text(json.dumps(results, indent=1, default=_json_default) + "\n")
-    if not args.no_report:
-        write_report(results)
+    results = old
+    phases = {"embed": run_embed, "generate": run_generate}
+    for phase, measure in phases.items():
+        if args.phase not in ("all", phase):
+            continue
+        new[phase] = {**measure(args, log_dir), "command": command}
+        new["finished"] = time.strftime("%Y-%m-%d %H:%M:%S")
+        new["wall_s"] = time.monotonic() - t0
+        # Saved after each phase: a generation phase that fails keeps the embeddings' results.
+        results = merge_results(old, new)
+        args.out.write_text(json.dumps(results, indent=1, default=_json_default) + "\n")
+        if not args.no_report:
+            write_report(results)
     print(render_tables(results))
     print(f"results: {args.out}; took {new['wall_s']:.0f} s")
     return 0
