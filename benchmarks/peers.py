@@ -795,7 +795,9 @@ async def _embed_visit(
     return out
 
 
-def run_embed(args: argparse.Namespace, log_dir: Path) -> dict[str, Any]:
+def run_embed(
+    args: argparse.Namespace, log_dir: Path, save: Callable[[dict[str, Any]], None] | None = None
+) -> dict[str, Any]:
     from benchmarks.workloads import embed_workload
 
     systems = embed_systems(
@@ -820,6 +822,18 @@ def run_embed(args: argparse.Namespace, log_dir: Path) -> dict[str, Any]:
                 visit[system.name] = {"error": f"{type(exc).__name__}: {exc}"[:2000]}
                 print(f"  {system.name} r{r}: {visit[system.name]['error']}", flush=True)
         rounds.append(visit)
+        if save is not None:  # a run cut short still leaves its finished rounds
+            save(embed_result(workload, facts, rounds, search, args))
+    return embed_result(workload, facts, rounds, search, args)
+
+
+def embed_result(
+    workload: Workload,
+    facts: dict[str, Any],
+    rounds: list[dict[str, Any]],
+    search: dict[str, float],
+    args: argparse.Namespace,
+) -> dict[str, Any]:
     return {
         "workload": workload.description,
         "systems": facts,
@@ -922,7 +936,9 @@ async def _generate_visit(
     return out
 
 
-def run_generate(args: argparse.Namespace, log_dir: Path) -> dict[str, Any]:
+def run_generate(
+    args: argparse.Namespace, log_dir: Path, save: Callable[[dict[str, Any]], None] | None = None
+) -> dict[str, Any]:
     from benchmarks.workloads import generate_workload
 
     systems = generate_systems(args.systems or ["carpool", "vllm"], log_dir, args)
@@ -944,6 +960,18 @@ def run_generate(args: argparse.Namespace, log_dir: Path) -> dict[str, Any]:
                 visit[system.name] = {"error": f"{type(exc).__name__}: {exc}"[:2000]}
                 print(f"  {system.name} r{r}: {visit[system.name]['error']}", flush=True)
         rounds.append(visit)
+        if save is not None:
+            save(generate_result(workload, trace, facts, rounds, args))
+    return generate_result(workload, trace, facts, rounds, args)
+
+
+def generate_result(
+    workload: Workload,
+    trace: Workload,
+    facts: dict[str, Any],
+    rounds: list[dict[str, Any]],
+    args: argparse.Namespace,
+) -> dict[str, Any]:
     phases = [f"closed-{c}" for c in args.concurrency] + ([] if args.no_trace else ["trace-chat"])
     return {
         "workload": workload.description,
@@ -1136,17 +1164,21 @@ def run(args: argparse.Namespace) -> int:
     old = json.loads(args.out.read_text()) if args.out.exists() else {}
     results = old
     phases = {"embed": run_embed, "generate": run_generate}
-    for phase, measure in phases.items():
-        if args.phase not in ("all", phase):
-            continue
-        new[phase] = {**measure(args, log_dir), "command": command}
+
+    def save(phase: str, result: dict[str, Any]) -> None:
+        # Saved after every round: a run stopped early keeps the rounds it finished.
+        nonlocal results
+        new[phase] = {**result, "command": command}
         new["finished"] = time.strftime("%Y-%m-%d %H:%M:%S")
         new["wall_s"] = time.monotonic() - t0
-        # Saved after each phase: a generation phase that fails keeps the embeddings' results.
         results = merge_results(old, new)
         args.out.write_text(json.dumps(results, indent=1, default=_json_default) + "\n")
         if not args.no_report:
             write_report(results)
+
+    for phase, measure in phases.items():
+        if args.phase in ("all", phase):
+            save(phase, measure(args, log_dir, lambda r, phase=phase: save(phase, r)))
     print(render_tables(results))
     print(f"results: {args.out}; took {new['wall_s']:.0f} s")
     return 0
