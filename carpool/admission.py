@@ -364,7 +364,9 @@ class RefusalMemory:
     dry; an interactive refusal covers the batch tier too (its bounds are lower).
     """
 
-    def __init__(self, window_s: float = 0.25, clock: Any = time.monotonic) -> None:
+    # Longer than the ingress holds a refusal (1 s), so the requests that arrive meanwhile
+    # are answered here too; short next to any queue bound worth refusing at (seconds).
+    def __init__(self, window_s: float = 1.25, clock: Any = time.monotonic) -> None:
         self.window_s = window_s
         self._clock = clock
         self._until: dict[str, float] = {}  # tier -> refuse locally until (clock)
@@ -377,7 +379,7 @@ class RefusalMemory:
         retry_s = error.retry_after_s or self.window_s
         tiers = PRIORITIES if priority == "interactive" else (priority,)
         for tier in tiers:
-            self._until[tier] = max(self._until.get(tier, 0.0), now + min(self.window_s, retry_s))
+            self._until[tier] = max(self._until.get(tier, 0.0), now + self.window_s)
             self._retry_at[tier] = max(self._retry_at.get(tier, 0.0), now + retry_s)
 
     def refusal(self, stage: str, priority: Priority) -> RequestError | None:

@@ -382,15 +382,38 @@ def _refusals(stage: str) -> RefusalMemory:
     return memory
 
 
-def refuse_if_overloaded(stage: str) -> None:
+# An overload refusal is held this long at most before it is answered (see _held).
+MAX_REFUSAL_HOLD_S = 1.0
+
+
+async def refuse_if_overloaded(stage: str) -> None:
     """503 at the ingress while ``stage`` is known to be full: no hop, no model CPU spent."""
     refusal = _refusals(stage).refusal(stage, current_controls().priority)
     if refusal is not None:
-        raise refusal
+        raise await _held(refusal)
 
 
 def _remember(stage: str, error: RequestError) -> RequestError:
     _refusals(stage).record(error, current_controls().priority)
+    return error
+
+
+async def _held(error: RequestError) -> RequestError:
+    """Holds an overload refusal for part of its Retry-After before it goes out.
+
+    A client that ignores Retry-After and resends at once turns overload into a storm of
+    refusals, each paid for by the proxy and the ingress on the cores the model computes on
+    (measured: 300 such clients cut goodput to 0.72 of capacity). Waiting here costs no CPU
+    and paces them; the Retry-After sent is what is left. Never past the request's deadline.
+    """
+    if error.status_code != 503 or error.code != "overloaded" or not error.retry_after_s:
+        return error
+    hold = min(error.retry_after_s, MAX_REFUSAL_HOLD_S)
+    remaining = current_controls().remaining_s()
+    if remaining is not None:
+        hold = min(hold, max(remaining, 0.0))
+    await asyncio.sleep(hold)
+    error.retry_after_s = max(error.retry_after_s - hold, 0.5)
     return error
 
 
@@ -400,11 +423,11 @@ async def call_idempotent(stage: str, make_call: Callable[[], Awaitable[T]]) -> 
     Only for calls that may run twice with the same effect (embed, rank, retrieve): the retry
     goes to another (or the restarted) replica, so a replica lost under load loses no request.
     """
-    refuse_if_overloaded(stage)
+    await refuse_if_overloaded(stage)
     try:
         return await await_within_deadline(stage, make_call())
     except RequestError as exc:
-        raise _remember(stage, exc) from None
+        raise await _held(_remember(stage, exc)) from None
     except Exception as exc:
         if find_request_error(exc) is None and _replica_lost(exc):
             logger.warning("%s replica lost mid-call; retrying once elsewhere", stage)
@@ -427,22 +450,20 @@ async def call_backend(stage: str, call: Awaitable[T]) -> T:
     try:
         return await await_within_deadline(stage, call)
     except RequestError as exc:
-        raise _remember(stage, exc) from None
+        raise await _held(_remember(stage, exc)) from None
     except Exception as exc:
         found = find_request_error(exc)
         if found is not None:
-            raise _remember(stage, found) from None
+            raise await _held(_remember(stage, found)) from None
         if _backpressure(exc):
-            raise _remember(
-                stage,
-                RequestError(
-                    503,
-                    f"the {stage} stage is at capacity (its callers' queue is full); retry "
-                    "after the Retry-After delay",
-                    code="overloaded",
-                    retry_after_s=1.0,
-                ),
-            ) from None
+            full = RequestError(
+                503,
+                f"the {stage} stage is at capacity (its callers' queue is full); retry after "
+                "the Retry-After delay",
+                code="overloaded",
+                retry_after_s=1.0,
+            )
+            raise await _held(_remember(stage, full)) from None
         logger.exception("%s stage failed", stage)
         raise RequestError(
             503,

@@ -181,7 +181,7 @@ class GenerateIngress:
             return await self._stream(
                 tier, handle, call, self._completion_chunks(model, body.include_usage())
             )
-        refuse_if_overloaded(tier)
+        await refuse_if_overloaded(tier)
         result = await call_backend(tier, handle.generate.remote(call))
         response = CompletionResponse(
             model=_answered_by(result, model),
@@ -235,7 +235,7 @@ class GenerateIngress:
             return await self._stream(
                 tier, handle, call, self._chat_chunks(model, body.n, body.include_usage())
             )
-        refuse_if_overloaded(tier)
+        await refuse_if_overloaded(tier)
         result = await call_backend(tier, handle.generate.remote(call))
         response = ChatCompletionResponse(
             model=_answered_by(result, model),

@@ -207,7 +207,7 @@ class RagIngress(DocumentRoutes):
             return StreamingResponse(
                 self._stream(call, ids), media_type="text/event-stream", headers=headers
             )
-        refuse_if_overloaded("generator")
+        await refuse_if_overloaded("generator")
         result = await call_backend("generator", self._generator().generate.remote(call))
         choice = result["choices"][0]
         response = {

@@ -22,7 +22,7 @@ from carpool.admission import (
 from carpool.batching import BatchLimits, Job, LengthAwareExecutor, make_splitter
 from carpool.errors import RequestError
 from carpool.generation.scheduler import PriorityQueue
-from carpool.http import call_backend, current_controls, make_api
+from carpool.http import call_backend, current_controls, make_api, refuse_if_overloaded
 from deployments.embedder import EmbedderConfig, EmbeddingServer
 from router.deployment import _Gate
 from router.lanes import ShortestFirstQueue
@@ -366,3 +366,31 @@ def test_estimated_tokens_follow_the_ratio_the_replica_learns() -> None:
     for _ in range(60):
         server.learn_token_ratio(chars=800, tokens=100)  # this model: 8 chars per token
     assert server.estimate_tokens([400], max_tokens=10_000) == pytest.approx(52, abs=2)
+
+
+def test_the_ingress_holds_overload_refusals_and_answers_the_next_ones_itself() -> None:
+    calls = []
+
+    async def full_backend() -> None:
+        calls.append(1)
+        raise RequestError(503, "full", code="overloaded", retry_after_s=0.6)
+
+    async def main() -> list[tuple[float, RequestError]]:
+        out = []
+        for attempt in (lambda: call_backend("held-stage", full_backend()),) + (
+            lambda: refuse_if_overloaded("held-stage"),
+        ) * 2:
+            started = time.monotonic()
+            with pytest.raises(RequestError) as info:
+                await attempt()
+            out.append((time.monotonic() - started, info.value))
+        return out
+
+    (first_s, first), *local = asyncio.run(main())
+    # The backend's refusal is held (a client that ignores Retry-After cannot resend at
+    # once), then the ingress refuses by itself, held too, while it remembers the overload.
+    assert calls == [1]
+    assert first.status_code == 503 and first_s >= 0.55 and first.retry_after_s == 0.5
+    for held_s, exc in local:
+        assert exc.status_code == 503 and exc.code == "overloaded" and held_s >= 0.45
+        assert exc.message.startswith("the held-stage stage is overloaded")
