@@ -126,6 +126,21 @@ class LoadGenerator:
         except ValueError:
             return None
 
+    async def quiesce(self, stats_path: str | None, timeout_s: float = 30.0) -> None:
+        """Waits until a replica's pass count stops moving, so a queue left by the last run
+        drains before the next one starts (1 s when the server has no stats)."""
+        if not stats_path:
+            await asyncio.sleep(1.0)
+            return
+        deadline, last = time.monotonic() + timeout_s, None
+        while time.monotonic() < deadline:
+            stats = await self.get_json(stats_path) or {}
+            now = (stats.get("items"), stats.get("forward_passes"))
+            if now == last:
+                return
+            last = now
+            await asyncio.sleep(0.5)
+
     async def wait_ready(self, path: str, timeout_s: float = 300.0) -> None:
         """Polls ``path`` until it answers 200 (the app is deployed and routed)."""
         deadline = time.monotonic() + timeout_s

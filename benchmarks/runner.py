@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import asyncio
 import os
-import time
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
@@ -101,19 +100,7 @@ class Bench:
 
     async def quiesce(self, system: System, timeout_s: float = 30.0) -> None:
         """Waits until the replica stops working (after an aborted run its queue drains)."""
-        path = system.target.stats_path
-        if not path:
-            await asyncio.sleep(1.0)
-            return
-        deadline = time.monotonic() + timeout_s
-        last = None
-        while time.monotonic() < deadline:
-            stats = await self.gen.get_json(path) or {}
-            now = (stats.get("items"), stats.get("forward_passes"))
-            if now == last:
-                return
-            last = now
-            await asyncio.sleep(0.5)
+        await self.gen.quiesce(system.target.stats_path, timeout_s)
 
     async def run(
         self,

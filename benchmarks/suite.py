@@ -386,17 +386,7 @@ class Suite:
         return [n for n in self.eps if self.eps[n].target.kind == "embed"]
 
     async def quiesce(self, name: str, timeout_s: float = 60.0) -> None:
-        """Waits until the replica's pass count stops moving (a queue left by the last window
-        drains before the next system's window starts)."""
-        path = self.eps[name].target.stats_path
-        deadline, last = time.monotonic() + timeout_s, None
-        while path and time.monotonic() < deadline:
-            stats = await self.gen.get_json(path) or {}
-            now = (stats.get("items"), stats.get("forward_passes"))
-            if now == last:
-                return
-            last = now
-            await asyncio.sleep(0.5)
+        await self.gen.quiesce(self.eps[name].target.stats_path, timeout_s)
 
     async def paired(
         self, names: Sequence[str], measure: Callable[[str, int], Awaitable[dict[str, Any]]]
