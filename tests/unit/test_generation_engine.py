@@ -458,16 +458,23 @@ def test_server_refuses_only_what_would_wait_past_its_bound_or_deadline(tiny):
     hold = {"prompts": [PROMPTS[0]], "max_tokens": 400, "temperature": 0, "ignore_eos": True}
 
     async def until_waiting(n: int) -> None:
+        # The holder must be running (not itself still waiting for the slot) before the
+        # waiting count means "queued behind it".
+        def ready() -> bool:
+            stats = server.engine.stats()
+            return stats["running"] >= 1 and stats["waiting"] >= n
+
         deadline = time.monotonic() + 30
-        while server.engine.num_waiting() < n and time.monotonic() < deadline:
+        while not ready() and time.monotonic() < deadline:
             await asyncio.sleep(0.002)
-        assert server.engine.num_waiting() >= n
+        assert ready()
 
     async def main() -> tuple:
         first = await server.generate({**hold, "max_tokens": 4})
         assert first["completion_tokens"] == 4
         server.engine.mean_slot_s = 1.0  # as if sequences held their slot 1 s each
         holder = asyncio.create_task(server.generate(hold))
+        await until_waiting(0)
         queued = [asyncio.create_task(server.generate(hold))]
         await until_waiting(1)
         # One waiting for the only slot, ~1 s of waiting, under the 1.5 s bound: admitted.
