@@ -21,6 +21,11 @@ import pytest
 os.environ.setdefault("RAY_AUTH_MODE", "disabled")
 # Ray's usage stats reporter phones home; nothing here may reach the network.
 os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
+# Serve kills a proxy that is not ready within 5 s (and one whose health check takes over
+# 10 s); beside two busy processes on 2 cores the proxy took longer, and every e2e app
+# failed to start. Generous, as a loaded CI machine needs.
+os.environ.setdefault("RAY_SERVE_PROXY_READY_CHECK_TIMEOUT_S", "60")
+os.environ.setdefault("RAY_SERVE_PROXY_HEALTH_CHECK_TIMEOUT_S", "60")
 
 TESTS = Path(__file__).parent
 
