@@ -8,6 +8,7 @@ configurable limits on top.
 from __future__ import annotations
 
 import math
+import time
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
@@ -220,6 +221,10 @@ class RerankResponse(BaseModel):
 class ModelCard(BaseModel):
     id: str
     object: Literal["model"] = "model"
+    created: int = Field(
+        default_factory=lambda: int(time.time()),
+        description="Unix time the serving app started (OpenAI's field; clients require it).",
+    )
     owned_by: str = "carpool"
 
 

@@ -17,13 +17,14 @@ from typing import Any, Literal
 from urllib.parse import quote
 
 from fastapi.responses import JSONResponse, StreamingResponse
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import Field, field_validator, model_validator
 from ray import serve
 from ray.serve.deployment import Application
 from ray.serve.handle import DeploymentHandle
 
 from carpool.config import IngressConfig, StrictModel
 from carpool.errors import RequestError
+from carpool.generation.schemas import MAX_STOP, MAX_STOP_CHARS, StreamOptions, TextPart
 from carpool.http import (
     MAX_BODY_BYTES,
     apply_ingress_defaults,
@@ -35,6 +36,8 @@ from carpool.http import (
 from carpool.schemas import (
     IngestRequest,
     IngestResponse,
+    ModelCard,
+    ModelList,
     SearchHit,
     SearchRequest,
     WireRequest,
@@ -74,41 +77,204 @@ class RagArgs(StrictModel):
     default_max_tokens: int = Field(default=128, ge=1, le=4096)
     max_tokens_limit: int = Field(default=1024, ge=1, le=32_768)
     system_prompt: str = Field(default=SYSTEM_PROMPT, max_length=8000)
+    model_name: str = Field(
+        default="rag",
+        min_length=1,
+        max_length=256,
+        description="The name clients put in `model` (listed by GET /rag/v1/models).",
+    )
     ingress: IngressConfig = Field(default_factory=IngressConfig)
 
 
-class RagMessage(BaseModel):
-    model_config = ConfigDict(extra="ignore")
+# OpenAI chat fields this pipeline cannot honour, each with what to do instead. They are
+# refused by name (400) rather than ignored: a client that sends them expects them to work.
+UNSUPPORTED_FIELDS = {
+    "tools": "tool calling is not supported by /rag; remove tools (use /generate)",
+    "tool_choice": "tool calling is not supported by /rag; remove tool_choice",
+    "functions": "function calling is not supported by /rag; remove functions",
+    "function_call": "function calling is not supported by /rag; remove function_call",
+    "response_format": "structured output is not supported by /rag: answers are cited "
+    "text; remove response_format",
+    "logit_bias": "logit_bias is not supported by /rag; remove it",
+    "top_logprobs": "logprobs are not supported by /rag; remove top_logprobs",
+    "audio": "audio output is not supported; remove audio",
+    "prediction": "predicted outputs are not supported; remove prediction",
+}
 
-    role: Literal["system", "user", "assistant"]
-    content: str = Field(max_length=100_000)
+
+def _honoured(name: str, value: Any) -> bool:
+    """Values of those fields that ask for what /rag does anyway (plain text, no tools)."""
+    if name == "tool_choice":
+        return value == "none"
+    if name == "response_format":
+        return value == {"type": "text"}
+    return False
+
+
+class RagMessage(WireRequest):
+    """One chat message; text only (a list of text parts is joined)."""
+
+    role: Literal["system", "developer", "user", "assistant"] = Field(
+        description="'system'/'developer' messages are added to the pipeline's own system "
+        "prompt; 'tool' messages are refused (tools are not supported here)."
+    )
+    content: str | list[TextPart] = Field(description="Text, or a list of text parts.")
+    name: str | None = Field(default=None, max_length=256)
+
+    @field_validator("content")
+    @classmethod
+    def _bounded(cls, value: str | list[TextPart]) -> str | list[TextPart]:
+        size = len(value) if isinstance(value, str) else sum(len(p.text) for p in value)
+        if size > 100_000:
+            raise ValueError(f"content has {size} characters; send at most 100000 per message")
+        return value
+
+    def text(self) -> str:
+        return (
+            self.content if isinstance(self.content, str) else "".join(p.text for p in self.content)
+        )
 
 
 class RagChatRequest(WireRequest):
-    """``POST /rag/v1/chat/completions``: OpenAI's chat shape; the last user turn is the query."""
+    """``POST /rag/v1/chat/completions``: OpenAI's chat shape; the last user turn is the query.
 
-    # Other OpenAI fields are ignored; NaN/Infinity and lone surrogates are still refused.
-    model_config = ConfigDict(extra="ignore")
+    Every field is either honoured (passed to the generator) or refused with a 400 that names
+    it: unknown fields, ``n`` > 1, ``tools``, ``response_format``, logprobs and the like.
+    ``null`` is accepted wherever OpenAI accepts it and means the default.
+    """
 
     messages: list[RagMessage] = Field(min_length=1, max_length=64)
-    model: str | None = Field(default=None, max_length=256)
+    model: str | None = Field(
+        default=None,
+        max_length=256,
+        description="'rag' (or this app's model_name); omitted: 'rag'. Other names get 404.",
+    )
     max_tokens: int | None = Field(default=None, ge=1, le=32_768)
     max_completion_tokens: int | None = Field(default=None, ge=1, le=32_768)
-    temperature: float | None = Field(default=0.0, ge=0, le=2)
-    top_p: float | None = Field(default=1.0, gt=0, le=1)
-    stream: bool = False
-    top_k: int | None = Field(default=None, ge=1, le=200)
+    temperature: float | None = Field(
+        default=None, ge=0, le=2, description="0 is greedy; default 1.0 (OpenAI's)."
+    )
+    top_p: float | None = Field(default=None, gt=0, le=1, description="Default 1.0.")
+    n: int | None = Field(default=None, description="Only 1 is supported (one cited answer).")
+    stream: bool | None = False
+    stream_options: StreamOptions | None = None
+    stop: str | list[str] | None = Field(
+        default=None, description=f"Up to {MAX_STOP} strings that end the answer."
+    )
+    seed: int | None = Field(
+        default=None, ge=-(2**63), lt=2**63, description="Makes sampling repeatable."
+    )
+    presence_penalty: float | None = Field(default=None, description="Only 0 is supported.")
+    frequency_penalty: float | None = Field(default=None, description="Only 0 is supported.")
+    logprobs: bool | None = Field(default=None, description="Only false is supported.")
+    user: str | None = Field(default=None, max_length=256, description="Ignored; accepted.")
+    top_k: int | None = Field(
+        default=None, ge=1, le=200, description="carpool extension: chunks retrieved."
+    )
+    # Refused by name when set (see UNSUPPORTED_FIELDS); declared so the message is specific.
+    tools: Any = None
+    tool_choice: Any = None
+    functions: Any = None
+    function_call: Any = None
+    response_format: Any = None
+    logit_bias: Any = None
+    top_logprobs: Any = None
+    audio: Any = None
+    prediction: Any = None
+    parallel_tool_calls: bool | None = Field(
+        default=None, description="Accepted only without tools (it then means nothing)."
+    )
 
     @field_validator("messages")
     @classmethod
     def _has_question(cls, value: list[RagMessage]) -> list[RagMessage]:
         users = [m for m in value if m.role == "user"]
-        if not users or not users[-1].content.strip():
+        if not users or not users[-1].text().strip():
             raise ValueError("messages need a non-empty user message: the question to answer")
         return value
 
+    @field_validator("stop")
+    @classmethod
+    def _stops(cls, value: str | list[str] | None) -> str | list[str] | None:
+        stops = [value] if isinstance(value, str) else list(value or [])
+        if len(stops) > MAX_STOP:
+            raise ValueError(f"stop has {len(stops)} strings; send at most {MAX_STOP}")
+        for i, s in enumerate(stops):
+            if not s:
+                raise ValueError(f"stop[{i}] is empty; remove it")
+            if len(s) > MAX_STOP_CHARS:
+                raise ValueError(
+                    f"stop[{i}] has {len(s)} characters; send at most {MAX_STOP_CHARS}"
+                )
+        return value
+
+    @model_validator(mode="after")
+    def _refuse_unsupported(self) -> "RagChatRequest":
+        for name, why in UNSUPPORTED_FIELDS.items():
+            value = getattr(self, name)
+            if value is None or value == [] or value == {} or _honoured(name, value):
+                continue
+            raise ValueError(f"{name}: {why}")
+        if self.n not in (None, 1):
+            raise ValueError(
+                f"n is {self.n}, but /rag returns one cited answer; remove n or set it to 1 "
+                "(send the request again for another answer)"
+            )
+        for name in ("presence_penalty", "frequency_penalty"):
+            if getattr(self, name) not in (None, 0):
+                raise ValueError(f"{name} is not supported by /rag; remove it or set it to 0")
+        if self.logprobs:
+            raise ValueError("logprobs are not supported by /rag; remove logprobs")
+        if self.stream_options is not None and not self.stream:
+            raise ValueError("stream_options is only allowed with stream: true; remove it")
+        if (
+            self.max_tokens is not None
+            and self.max_completion_tokens is not None
+            and self.max_tokens != self.max_completion_tokens
+        ):
+            raise ValueError(
+                f"max_tokens ({self.max_tokens}) and max_completion_tokens "
+                f"({self.max_completion_tokens}) differ; send only one of them"
+            )
+        return self
+
     def question(self) -> str:
-        return next(m.content for m in reversed(self.messages) if m.role == "user")
+        return next(m.text() for m in reversed(self.messages) if m.role == "user")
+
+    def stop_list(self) -> list[str]:
+        return [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
+
+    def include_usage(self) -> bool:
+        return bool(self.stream and self.stream_options and self.stream_options.include_usage)
+
+
+def generation_call(
+    body: RagChatRequest, system: str, max_tokens: int, controls: Any
+) -> dict[str, Any]:
+    """What the generator gets: the sources prompt, the conversation and every sampling field.
+
+    Client system/developer messages are kept, after the pipeline's own instructions (the
+    model has one system turn); OpenAI's defaults apply to fields left out or null.
+    """
+    extra = [m.text() for m in body.messages if m.role in ("system", "developer")]
+    if extra:
+        system = system + "\n\n" + "\n\n".join(extra)
+    history = [
+        {"role": m.role, "content": m.text()}
+        for m in body.messages
+        if m.role not in ("system", "developer")
+    ]
+    return {
+        "messages": [{"role": "system", "content": system}, *history],
+        "n": 1,
+        "max_tokens": max_tokens,
+        "temperature": 1.0 if body.temperature is None else body.temperature,
+        "top_p": 1.0 if body.top_p is None else body.top_p,
+        "stop": body.stop_list(),
+        "seed": body.seed,
+        "deadline": controls.deadline,
+        "priority": controls.priority,
+    }
 
 
 api = make_api(
@@ -148,6 +314,7 @@ class RagIngress(DocumentRoutes):
         self.args = RagArgs.model_validate(args)
         apply_ingress_defaults(api, self.args.ingress.default_deadline_ms)
         self._handles: dict[str, DeploymentHandle] = {}
+        self.created = int(time.time())
 
     def _handle(self, deployment: str, app: str) -> DeploymentHandle:
         # By name at first use: apps deploy in any order.
@@ -163,7 +330,18 @@ class RagIngress(DocumentRoutes):
     def _generator(self) -> DeploymentHandle:
         return self._handle(self.args.generator_deployment, self.args.generate_app)
 
+    def _check_model(self, requested: str | None) -> None:
+        if requested is not None and requested != self.args.model_name:
+            raise RequestError(
+                404,
+                f"model {requested!r} is not served here; use {self.args.model_name!r} or omit "
+                "model (the answering generator is set by this app's generator_deployment)",
+                param="model",
+                code="model_not_found",
+            )
+
     async def _prepare(self, body: RagChatRequest) -> tuple[list[SearchHit], dict[str, Any]]:
+        self._check_model(body.model)
         question = body.question()
         search = SearchRequest(
             query=question[:8000],
@@ -187,15 +365,7 @@ class RagIngress(DocumentRoutes):
         system = self.args.system_prompt.replace(
             "{sources}", build_sources(hits, self.args.max_source_chars) or "(no sources found)"
         )
-        history = [m.model_dump() for m in body.messages if m.role != "system"]
-        call = {
-            "messages": [{"role": "system", "content": system}, *history],
-            "max_tokens": max_tokens,
-            "temperature": body.temperature or 0.0,
-            "top_p": body.top_p or 1.0,
-            "deadline": current_controls().deadline,
-            "priority": current_controls().priority,
-        }
+        call = generation_call(body, system, max_tokens, current_controls())
         return hits, call
 
     @api.post("/v1/chat/completions")
@@ -205,7 +375,9 @@ class RagIngress(DocumentRoutes):
         headers = {"x-carpool-citations": citations_header(ids)}
         if body.stream:
             return StreamingResponse(
-                self._stream(call, ids), media_type="text/event-stream", headers=headers
+                self._stream(call, ids, body.include_usage()),
+                media_type="text/event-stream",
+                headers=headers,
             )
         await refuse_if_overloaded("generator")
         result = await call_backend("generator", self._generator().generate.remote(call))
@@ -237,23 +409,30 @@ class RagIngress(DocumentRoutes):
             response["carpool"] = result["carpool"]
         return JSONResponse(response, headers=headers)
 
-    async def _stream(self, call: dict[str, Any], ids: list[str]) -> AsyncIterator[str]:
+    async def _stream(
+        self, call: dict[str, Any], ids: list[str], include_usage: bool = False
+    ) -> AsyncIterator[str]:
         stream_id = f"chatcmpl-{uuid.uuid4().hex}"
         created = int(time.time())
         model = "unknown"
 
-        def chunk(delta: dict[str, Any], finish: str | None = None, **extra: Any) -> str:
+        def chunk(delta: dict[str, Any] | None, finish: str | None = None, **extra: Any) -> str:
             body = {
                 "id": stream_id,
                 "object": "chat.completion.chunk",
                 "created": created,
                 "model": model,
-                "choices": [{"index": 0, "delta": delta, "finish_reason": finish}],
+                "choices": []
+                if delta is None
+                else [{"index": 0, "delta": delta, "finish_reason": finish}],
                 **extra,
             }
+            if include_usage:  # as OpenAI: null on every chunk but the last
+                body.setdefault("usage", None)
             return f"data: {json.dumps(body)}\n\n"
 
         finish = "stop"
+        usage: dict[str, int] | None = None
         events = self._generator().options(stream=True).stream.remote(call)
         finished = False
         try:
@@ -266,8 +445,16 @@ class RagIngress(DocumentRoutes):
                         yield chunk({"content": event["text"]})
                     if event["finish_reason"] is not None:
                         finish = event["finish_reason"]
+                elif event["type"] == "end":
+                    usage = {
+                        "prompt_tokens": event["prompt_tokens"],
+                        "completion_tokens": event["completion_tokens"],
+                        "total_tokens": event["prompt_tokens"] + event["completion_tokens"],
+                    }
             finished = True
             yield chunk({"content": citation_suffix(ids)}, finish, citations=ids)
+            if include_usage and usage is not None:
+                yield chunk(None, usage=usage)
         except Exception as exc:  # headers are gone: report in-band, as OpenAI streams do
             message = str(exc.message) if isinstance(exc, RequestError) else "generation failed"
             yield f"data: {json.dumps({'error': {'message': message}})}\n\n"
@@ -289,6 +476,10 @@ class RagIngress(DocumentRoutes):
     @api.delete("/v1/documents/{doc_id}")
     async def delete_document(self, doc_id: str) -> dict[str, Any]:
         return await self.delete_doc(doc_id)
+
+    @api.get("/v1/models", response_model=ModelList)
+    async def models(self) -> ModelList:
+        return ModelList(data=[ModelCard(id=self.args.model_name, created=self.created)])
 
     @api.get("/healthz")
     async def healthz(self) -> dict[str, str]:
