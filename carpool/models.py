@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import hashlib
 import importlib.util
+import json
 import logging
 import math
 import os
@@ -208,6 +209,142 @@ def load_pretrained(
         tokenizer = AutoTokenizer.from_pretrained(path)
         model = auto_class.from_pretrained(path, dtype=pick_dtype(dtype, picked))
     return LoadedModel(model.to(picked).eval(), tokenizer, picked, path)
+
+
+# --- pooling -----------------------------------------------------------------------
+
+# How an embedder turns token vectors into one vector. sentence-transformers records the
+# model's own choice in the Pooling module's config.json (usually ``1_Pooling/``); using
+# another mode returns wrong vectors without any error, so the folder's choice is read.
+POOLING_MODES = ("cls", "mean", "max", "lasttoken")
+_ST_POOLING_FLAGS = {
+    "pooling_mode_cls_token": "cls",
+    "pooling_mode_mean_tokens": "mean",
+    "pooling_mode_max_tokens": "max",
+    "pooling_mode_lasttoken": "lasttoken",
+    "pooling_mode_mean_sqrt_len_tokens": "mean_sqrt_len_tokens",
+    "pooling_mode_weightedmean_tokens": "weightedmean",
+}
+# Encoder families whose plain checkpoints (no Pooling config) sentence-transformers pools by
+# mean, its default; for any other model type a missing config is refused, not guessed.
+MEAN_POOLED_ENCODERS = frozenset(
+    {
+        "bert",
+        "roberta",
+        "xlm-roberta",
+        "distilbert",
+        "mpnet",
+        "electra",
+        "albert",
+        "camembert",
+        "deberta",
+        "deberta-v2",
+        "modernbert",
+        "nomic_bert",
+    }
+)
+
+
+class PoolingError(ModelSourceError):
+    """A pooling mode carpool cannot apply, or none it can be sure of; says what to set."""
+
+
+def _pooling_module_dir(folder: Path) -> Path:
+    """The Pooling module's folder, from modules.json when the model has one."""
+    modules = folder / "modules.json"
+    if modules.is_file():
+        for module in json.loads(modules.read_text()):
+            if str(module.get("type", "")).endswith(".Pooling"):
+                return folder / str(module.get("path", ""))
+    return folder / "1_Pooling"
+
+
+def pooling_from_config(config: dict[str, Any], where: str) -> str:
+    """The one pooling mode a sentence-transformers Pooling config names (or a PoolingError)."""
+    named = config.get("pooling_mode")  # newer sentence-transformers also write the name
+    modes = [mode for flag, mode in _ST_POOLING_FLAGS.items() if config.get(flag)]
+    if isinstance(named, str) and not modes:
+        modes = [{"cls_token": "cls", "mean_tokens": "mean", "max_tokens": "max"}.get(named, named)]
+    if len(modes) != 1:
+        found = " + ".join(modes) if modes else "no mode"
+        raise PoolingError(
+            f"{where} asks for {found} pooling; carpool applies exactly one of "
+            f"{', '.join(POOLING_MODES)}. Set the embedder's `pooling` to the one you want"
+        )
+    mode = modes[0]
+    if mode not in POOLING_MODES:
+        raise PoolingError(
+            f"{where} asks for {mode} pooling, which carpool does not implement; it applies "
+            f"{', '.join(POOLING_MODES)}. Serve another model, or set the embedder's `pooling` "
+            "explicitly if you accept different vectors"
+        )
+    return mode
+
+
+def read_pooling_config(folder: str | os.PathLike[str]) -> str | None:
+    """The pooling mode a sentence-transformers model folder names; None when it names none."""
+    config = _pooling_module_dir(Path(folder)) / "config.json"
+    if not config.is_file():
+        return None
+    return pooling_from_config(json.loads(config.read_text()), str(config))
+
+
+def _hub_pooling(model_id: str) -> str | None:
+    """The pooling a Hugging Face model id's repository names (the files are tiny)."""
+    from huggingface_hub import hf_hub_download
+    from huggingface_hub.errors import EntryNotFoundError
+
+    try:
+        modules = json.loads(Path(hf_hub_download(model_id, "modules.json")).read_text())
+    except EntryNotFoundError:
+        modules = []
+    path = next(
+        (str(m.get("path", "")) for m in modules if str(m.get("type", "")).endswith(".Pooling")),
+        "1_Pooling",
+    )
+    try:
+        config = hf_hub_download(model_id, f"{path}/config.json" if path else "config.json")
+    except EntryNotFoundError:
+        return None
+    return pooling_from_config(json.loads(Path(config).read_text()), f"{model_id}/{path}")
+
+
+def resolve_pooling(explicit: str | None, source: str | None, model_type: str | None) -> str:
+    """The pooling an embedder applies: ``explicit`` if set, else the model's own config.
+
+    ``source`` is the resolved model folder or hub id (None for an injected model). Without a
+    Pooling config, BERT-family encoders get mean pooling (what sentence-transformers does
+    with a plain checkpoint); any other model is refused rather than guessed.
+    """
+    if explicit is not None:
+        if explicit not in POOLING_MODES:
+            raise PoolingError(
+                f"pooling {explicit!r} is not supported; use one of {', '.join(POOLING_MODES)}"
+            )
+        return explicit
+    found = None
+    if source is not None:
+        if os.path.isdir(source):
+            found = read_pooling_config(source)
+        else:
+            try:
+                found = _hub_pooling(source)
+            except PoolingError:
+                raise
+            except Exception as exc:  # offline, gated...: do not guess
+                raise PoolingError(
+                    f"could not read the pooling config of {source!r} ({type(exc).__name__}); "
+                    f"set the embedder's `pooling` to one of {', '.join(POOLING_MODES)}"
+                ) from exc
+    if found is not None:
+        return found
+    if model_type in MEAN_POOLED_ENCODERS:
+        return "mean"
+    raise PoolingError(
+        f"the model (type {model_type!r}) has no sentence-transformers Pooling config and is "
+        "not a known encoder, so its pooling cannot be known; set the embedder's `pooling` to "
+        f"one of {', '.join(POOLING_MODES)} (decoder embedders usually need lasttoken)"
+    )
 
 
 # --- devices and threads -----------------------------------------------------------

@@ -47,7 +47,11 @@ def find_unservable_value(data: Any) -> str | None:
                     return f"a key of {path or 'body'} {problem}"
                 stack.append((f"{path}.{key_text}" if path else key_text, item))
         elif isinstance(value, list):
-            stack.extend((f"{path}[{i}]", item) for i, item in enumerate(value))
+            # Integers (token ids: up to millions in one body) are always servable; skip
+            # them without building a path for each.
+            stack.extend(
+                (f"{path}[{i}]", item) for i, item in enumerate(value) if type(item) is not int
+            )
     return None
 
 
@@ -88,11 +92,27 @@ def _check_texts(values: list[str], field: str) -> list[str]:
     return values
 
 
-class EmbeddingRequest(WireRequest):
-    """``POST /embed/v1/embeddings``: OpenAI's embeddings request."""
+# Largest token id accepted on the wire; the embedder checks ids against its own vocabulary.
+MAX_TOKEN_ID = 2**31 - 1
+MAX_IDS_PER_INPUT_HARD = 100_000
 
-    input: str | list[str] = Field(
-        description="Text to embed, or a list of texts (each embedded separately)."
+INPUT_SHAPES = (
+    "send a string, a list of strings, a list of token ids (integers) or a list of such lists"
+)
+
+
+class EmbeddingRequest(WireRequest):
+    """``POST /embed/v1/embeddings``: OpenAI's embeddings request.
+
+    ``input`` takes every shape OpenAI's does: text, texts, token ids, or lists of token ids
+    (LangChain's ``OpenAIEmbeddings`` sends ids by default). Ids must be the served model's
+    own, special tokens included; they reach the model as sent.
+    """
+
+    input: str | list[str] | list[int] | list[list[int]] = Field(
+        description="Text to embed, a list of texts, a list of token ids, or a list of "
+        "token-id lists (each embedded separately). Token ids must come from the served "
+        "model's tokenizer, special tokens included."
     )
     model: str | None = Field(
         default=None, max_length=256, description="Served model name; omit to use the default."
@@ -110,24 +130,103 @@ class EmbeddingRequest(WireRequest):
         "instead of refusing them with 413.",
     )
 
+    @field_validator("input", mode="before")
+    @classmethod
+    def _shape(cls, value: Any) -> Any:
+        """One message naming the item and the shapes accepted, not pydantic's union dump."""
+        if isinstance(value, str):
+            return value
+        if not isinstance(value, list):
+            raise ValueError(f"input is {_json_kind(value)}; {INPUT_SHAPES}")
+        if not value:
+            raise ValueError("input is an empty list; send at least one string")
+        first = value[0]
+        if isinstance(first, str):
+            kind, ok = "a list of strings", lambda v: isinstance(v, str)
+        elif _is_id(first):
+            kind, ok = "a list of token ids", _is_id
+        elif isinstance(first, list):
+            kind = "a list of token-id lists"
+            ok = lambda v: isinstance(v, list) and all(_is_id(t) for t in v)  # noqa: E731
+        else:
+            raise ValueError(
+                f"input[0] is {_json_kind(first)}; {INPUT_SHAPES} (token ids are integers "
+                f"from 0 to {MAX_TOKEN_ID})"
+            )
+        for i, item in enumerate(value):
+            if not ok(item):
+                raise ValueError(
+                    f"input[{i}] is {_json_kind(item)} but input[0] makes input {kind}; "
+                    f"{INPUT_SHAPES}, not a mix (token ids are integers from 0 to "
+                    f"{MAX_TOKEN_ID})"
+                )
+        return value
+
     @field_validator("input")
     @classmethod
-    def _non_empty(cls, value: str | list[str]) -> str | list[str]:
-        texts = [value] if isinstance(value, str) else value
-        if not texts:
-            raise ValueError("input is an empty list; send at least one string")
-        if len(texts) > MAX_ITEMS_HARD:
-            raise ValueError(f"input has {len(texts)} items; send at most {MAX_ITEMS_HARD}")
-        for i, text in enumerate(texts):
-            if len(text) > MAX_TEXT_CHARS_HARD:
+    def _non_empty(cls, value: Any) -> Any:
+        items = [value] if isinstance(value, str) else value
+        if isinstance(value, list) and value and isinstance(value[0], int):
+            items = [value]  # one input given as token ids
+        if len(items) > MAX_ITEMS_HARD:
+            raise ValueError(f"input has {len(items)} items; send at most {MAX_ITEMS_HARD}")
+        for i, item in enumerate(items):
+            if isinstance(item, str):
+                if len(item) > MAX_TEXT_CHARS_HARD:
+                    raise ValueError(
+                        f"input[{i}] has {len(item)} characters; send at most {MAX_TEXT_CHARS_HARD}"
+                    )
+                continue
+            if not item:
+                raise ValueError(f"input[{i}] is an empty list of token ids; send at least one")
+            if len(item) > MAX_IDS_PER_INPUT_HARD:
                 raise ValueError(
-                    f"input[{i}] has {len(text)} characters; send at most {MAX_TEXT_CHARS_HARD}"
+                    f"input[{i}] has {len(item)} token ids; send at most {MAX_IDS_PER_INPUT_HARD}"
                 )
+        texts = [t for t in items if isinstance(t, str)]
         _check_texts(texts, "input")
         return value
 
+    def is_token_ids(self) -> bool:
+        return isinstance(self.input, list) and not isinstance(self.input[0], str)
+
     def texts(self) -> list[str]:
-        return [self.input] if isinstance(self.input, str) else list(self.input)
+        """The inputs as texts (empty when they are token ids)."""
+        if self.is_token_ids():
+            return []
+        return [self.input] if isinstance(self.input, str) else list(self.input)  # type: ignore[arg-type]
+
+    def token_ids(self) -> list[list[int]]:
+        """The inputs as token-id lists (empty when they are texts)."""
+        if not self.is_token_ids():
+            return []
+        if isinstance(self.input[0], int):  # type: ignore[index]
+            return [list(self.input)]  # type: ignore[arg-type]
+        return [list(ids) for ids in self.input]  # type: ignore[union-attr]
+
+    def count(self) -> int:
+        return len(self.token_ids()) if self.is_token_ids() else len(self.texts())
+
+
+def _is_id(value: Any) -> bool:
+    # bool is an int in Python; true/false are not token ids.
+    return type(value) is int and 0 <= value <= MAX_TOKEN_ID
+
+
+def _json_kind(value: Any) -> str:
+    if value is None:
+        return "null"
+    if isinstance(value, bool):
+        return "a boolean"
+    if isinstance(value, int):
+        return f"the integer {value}" + (" (token ids are never negative)" if value < 0 else "")
+    if isinstance(value, float):
+        return "a non-integer number"
+    if isinstance(value, str):
+        return "a string"
+    if isinstance(value, list):
+        return "a list"
+    return "an object"
 
 
 class EmbeddingData(BaseModel):
@@ -185,16 +284,20 @@ class RerankRequest(WireRequest):
     @field_validator("documents")
     @classmethod
     def _docs(cls, value: list[str]) -> list[str]:
-        if not value:
-            raise ValueError("documents is an empty list; send at least one document")
-        if len(value) > MAX_ITEMS_HARD:
-            raise ValueError(f"documents has {len(value)} items; send at most {MAX_ITEMS_HARD}")
-        for i, text in enumerate(value):
-            if len(text) > MAX_TEXT_CHARS_HARD:
-                raise ValueError(
-                    f"documents[{i}] has {len(text)} characters; send at most {MAX_TEXT_CHARS_HARD}"
-                )
-        return _check_texts(value, "documents")
+        return _check_documents(value)
+
+
+def _check_documents(value: list[str]) -> list[str]:
+    if not value:
+        raise ValueError("documents is an empty list; send at least one document")
+    if len(value) > MAX_ITEMS_HARD:
+        raise ValueError(f"documents has {len(value)} items; send at most {MAX_ITEMS_HARD}")
+    for i, text in enumerate(value):
+        if len(text) > MAX_TEXT_CHARS_HARD:
+            raise ValueError(
+                f"documents[{i}] has {len(text)} characters; send at most {MAX_TEXT_CHARS_HARD}"
+            )
+    return _check_texts(value, "documents")
 
 
 class RerankDocument(BaseModel):
@@ -216,6 +319,64 @@ class RerankResponse(BaseModel):
     model: str
     results: list[RerankResult]
     usage: RerankUsage
+
+
+class CohereDocument(WireRequest):
+    text: str = Field(max_length=MAX_TEXT_CHARS_HARD)
+
+
+class CohereRerankRequest(WireRequest):
+    """``POST /rank/v2/rerank``: Cohere's v2 rerank request (what ``cohere.ClientV2`` sends)."""
+
+    model: str | None = Field(
+        default=None, max_length=256, description="Served model name; omit to use the default."
+    )
+    query: str = Field(min_length=1, max_length=MAX_TEXT_CHARS_HARD, description="The query.")
+    documents: list[str | CohereDocument] = Field(
+        description="Documents to score: strings (or objects with a 'text' field)."
+    )
+    top_n: int | None = Field(
+        default=None, ge=1, description="Return only the best N results (default: all)."
+    )
+    max_tokens_per_doc: int | None = Field(
+        default=None,
+        ge=1,
+        description="Accepted when at least the ranker's own limit (each query-document pair "
+        "is cut to it); a lower value is refused, naming the limit.",
+    )
+    return_documents: bool | None = Field(
+        default=False, description="Include each document's text in its result."
+    )
+
+    @field_validator("query")
+    @classmethod
+    def _query_not_blank(cls, value: str) -> str:
+        if not value.strip():
+            raise ValueError("query is only whitespace; send the text to rank documents against")
+        return value
+
+    @field_validator("documents")
+    @classmethod
+    def _docs(cls, value: list[str | CohereDocument]) -> list[str | CohereDocument]:
+        texts = [d if isinstance(d, str) else d.text for d in value]
+        _check_documents(texts)  # same limits and messages as /v1/rerank
+        return value
+
+    def texts(self) -> list[str]:
+        return [d if isinstance(d, str) else d.text for d in self.documents]
+
+
+class CohereRerankResult(BaseModel):
+    index: int
+    relevance_score: float
+    document: RerankDocument | None = None
+
+
+class CohereRerankResponse(BaseModel):
+    id: str
+    results: list[CohereRerankResult]
+    meta: dict[str, Any]
+    model: str
 
 
 class ModelCard(BaseModel):

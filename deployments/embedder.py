@@ -23,7 +23,7 @@ from ray.serve.deployment import Application
 from carpool.admission import RequestControls
 from carpool.config import BatchingConfig, ModelSourceConfig, ReplicaConfig, StrictModel
 from carpool.errors import RequestError
-from carpool.models import load_pretrained, size_torch_threads
+from carpool.models import load_pretrained, resolve_pooling, size_torch_threads
 from carpool.server import BatchedModelServer
 from carpool.serving import ServeBatching, make_collector
 
@@ -37,8 +37,12 @@ class EmbedderConfig(StrictModel):
         default_factory=lambda: ModelSourceConfig(model=DEFAULT_EMBEDDER),
         description="Weights and device.",
     )
-    pooling: Literal["mean", "cls"] = Field(
-        default="mean", description="How token vectors become one vector (MiniLM: mean)."
+    pooling: Literal["cls", "mean", "max", "lasttoken"] | None = Field(
+        default=None,
+        description="How token vectors become one vector. Unset: what the model folder's "
+        "sentence-transformers Pooling config (1_Pooling/config.json) says; without one, "
+        "mean for BERT-family encoders, and a refusal at start-up for any other model. Set "
+        "it to override the folder.",
     )
     normalize: bool = Field(default=True, description="L2-normalise embeddings.")
     replica: ReplicaConfig = Field(default_factory=lambda: ReplicaConfig(num_cpus=1.0))
@@ -57,6 +61,15 @@ class EmbeddingModel(Protocol):
     def truncate(self, text: str) -> list[int]: ...
 
     def embed_ids(self, batch: list[list[int]]) -> list[np.ndarray]: ...
+
+
+# Said in every refusal of token ids that cannot be the model's: the one client known to send
+# foreign ids by default, and the setting that makes it send text.
+FOREIGN_IDS_HINT = (
+    "token ids must come from this model's own tokenizer (special tokens included); send "
+    "text instead if you cannot (LangChain OpenAIEmbeddings sends tiktoken ids: set "
+    "check_embedding_ctx_length=False)"
+)
 
 
 def _sentence_transformers_max_length(folder: str) -> int | None:
@@ -92,7 +105,14 @@ class TextEmbedder:
         if config.source.max_length is not None:
             self.max_length = config.source.max_length
         self.dimension = int(self.model.config.hidden_size)
-        self.pooling = config.pooling
+        self.vocab_size = int(
+            getattr(self.model.config, "vocab_size", None) or len(loaded.tokenizer)
+        )
+        self.pooling = resolve_pooling(
+            config.pooling,
+            loaded.path,
+            getattr(self.model.config, "model_type", None),
+        )
         self.normalize = config.normalize
         self.pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
 
@@ -115,14 +135,26 @@ class TextEmbedder:
         ids, mask = ids.to(self.device), mask.to(self.device)
         with torch.no_grad():
             hidden = self.model(input_ids=ids, attention_mask=mask).last_hidden_state.float()
-            if self.pooling == "cls":
-                pooled = hidden[:, 0]
-            else:
-                weights = mask.unsqueeze(-1).to(hidden.dtype)
-                pooled = (hidden * weights).sum(1) / weights.sum(1).clamp(min=1e-9)
+            pooled = pool(hidden, mask, self.pooling)
             if self.normalize:
                 pooled = torch.nn.functional.normalize(pooled, p=2, dim=1)
         return list(pooled.cpu().numpy().astype(np.float32))
+
+
+def pool(hidden: Any, mask: Any, mode: str) -> Any:
+    """One vector per row of ``hidden`` (batch x length x dim), right-padded per ``mask``."""
+    if mode == "cls":
+        return hidden[:, 0]
+    if mode == "lasttoken":
+        import torch
+
+        last = mask.sum(1).clamp(min=1) - 1
+        return hidden[torch.arange(hidden.shape[0], device=hidden.device), last]
+    weights = mask.unsqueeze(-1).to(hidden.dtype)
+    if mode == "max":
+        # Padding never wins: as sentence-transformers, it is set far below any real value.
+        return hidden.masked_fill(weights == 0, -1e9).max(1).values
+    return (hidden * weights).sum(1) / weights.sum(1).clamp(min=1e-9)
 
 
 @dataclass
@@ -155,6 +187,7 @@ class EmbeddingServer(BatchedModelServer[list[int], np.ndarray]):
             "model": self.model.name,
             "dimension": self.model.dimension,
             "max_length": self.model.max_length,
+            "pooling": getattr(self.model, "pooling", None),
         }
 
     async def embed(
@@ -184,6 +217,52 @@ class EmbeddingServer(BatchedModelServer[list[int], np.ndarray]):
                     ids[i] = self.model.truncate(texts[i])
                     truncated[i] = True
             lengths = [len(s) for s in ids]
+            vectors = await self.run_job(self.make_job(ids, lengths, controls), ticket)
+        return EmbedResult(vectors, lengths, truncated, self.model.name)
+
+    async def embed_tokens(
+        self,
+        inputs: list[list[int]],
+        truncate: bool = True,
+        controls: RequestControls | None = None,
+    ) -> EmbedResult:
+        """Embeds inputs given as the model's token ids; they reach the model as sent.
+
+        Ids outside the vocabulary cannot be this model's (LangChain's default sends tiktoken
+        ids) and are refused, naming the item; an input over the model's limit is cut to its
+        first ``max_length`` ids (flagged ``truncated``) or refused with 413.
+        """
+        if not inputs or any(not ids for ids in inputs):
+            raise RequestError(400, "no token ids to embed; send at least one", param="input")
+        vocab = getattr(self.model, "vocab_size", None)
+        if vocab is not None:
+            for i, ids in enumerate(inputs):
+                bad = next((t for t in ids if not 0 <= t < vocab), None)
+                if bad is not None:
+                    raise RequestError(
+                        400,
+                        f"input[{i}] holds token id {bad}, outside this model's vocabulary "
+                        f"(0 to {vocab - 1}); {FOREIGN_IDS_HINT}",
+                        param=f"input[{i}]",
+                        code="invalid_token_ids",
+                    )
+        self.check_deadline(controls, "embedder", len(inputs))
+        limit = self.model.max_length
+        ids = [list(seq) for seq in inputs]
+        truncated = [len(seq) > limit for seq in ids]
+        for i, cut in enumerate(truncated):
+            if cut:
+                if not truncate:
+                    raise RequestError(
+                        413,
+                        f"input[{i}] has {len(ids[i])} tokens; this model takes at most "
+                        f"{limit}. Shorten it or set truncate: true",
+                        param=f"input[{i}]",
+                        code="input_too_long",
+                    )
+                ids[i] = ids[i][:limit]
+        lengths = [len(s) for s in ids]
+        with self.admitted(len(ids), sum(lengths), controls) as ticket:
             vectors = await self.run_job(self.make_job(ids, lengths, controls), ticket)
         return EmbedResult(vectors, lengths, truncated, self.model.name)
 

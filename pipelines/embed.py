@@ -5,6 +5,7 @@ the other pipelines.
 """
 
 import base64
+import time
 from typing import Any
 
 from fastapi.responses import JSONResponse
@@ -40,7 +41,12 @@ class EmbedArgs(StrictModel):
     embedder: EmbedderConfig = Field(default_factory=EmbedderConfig)
     ingress: IngressConfig = Field(default_factory=IngressConfig)
     max_inputs_per_request: int = Field(
-        default=256, ge=1, le=4096, description="Most texts one request may carry."
+        default=2048,
+        ge=1,
+        le=4096,
+        description="Most inputs one request may carry (OpenAI's limit, 2048, by default: "
+        "clients such as LangChain send up to 1000). The 16 MiB body limit and the replica's "
+        "admission bound the work one request can bring.",
     )
     max_chars_per_input: int = Field(
         default=32_000,
@@ -82,6 +88,7 @@ class EmbedIngress:
         apply_ingress_defaults(api, self.args.ingress.default_deadline_ms)
         self.embedder = embedder
         self.model_name = self.args.embedder.source.served_model_name or "embedder"
+        self.created = int(time.time())
 
     @api.post("/v1/embeddings", response_model=EmbeddingResponse)
     async def embeddings(self, body: EmbeddingRequest) -> JSONResponse:
@@ -93,25 +100,36 @@ class EmbedIngress:
                 "remove dimensions (and cut vectors client-side if you must)",
                 param="dimensions",
             )
-        texts = body.texts()
-        if len(texts) > self.args.max_inputs_per_request:
+        count = body.count()
+        if count > self.args.max_inputs_per_request:
             raise RequestError(
                 400,
-                f"input has {len(texts)} texts; send at most "
-                f"{self.args.max_inputs_per_request} per request",
+                f"input has {count} items; this server takes at most "
+                f"{self.args.max_inputs_per_request} per request: split it into several "
+                f"requests (LangChain OpenAIEmbeddings: chunk_size="
+                f"{self.args.max_inputs_per_request} or less)",
                 param="input",
             )
-        for i, text in enumerate(texts):
-            if len(text) > self.args.max_chars_per_input:
-                raise RequestError(
-                    413,
-                    f"input[{i}] has {len(text)} characters; send at most "
-                    f"{self.args.max_chars_per_input}",
-                    param=f"input[{i}]",
-                )
-        result: EmbedResult = await call_idempotent(
-            "embedder", lambda: self.embedder.embed.remote(texts, body.truncate, current_controls())
-        )
+        controls = current_controls()
+        if body.is_token_ids():
+            ids = body.token_ids()
+            result: EmbedResult = await call_idempotent(
+                "embedder", lambda: self.embedder.embed_tokens.remote(ids, body.truncate, controls)
+            )
+        else:
+            texts = body.texts()
+            for i, text in enumerate(texts):
+                if len(text) > self.args.max_chars_per_input:
+                    raise RequestError(
+                        413,
+                        f"input[{i}] has {len(text)} characters; send at most "
+                        f"{self.args.max_chars_per_input} (split it, or raise the embed app's "
+                        "max_chars_per_input)",
+                        param=f"input[{i}]",
+                    )
+            result = await call_idempotent(
+                "embedder", lambda: self.embedder.embed.remote(texts, body.truncate, controls)
+            )
         tokens = sum(result.token_counts)
         response = EmbeddingResponse(
             data=[
@@ -131,7 +149,7 @@ class EmbedIngress:
 
     @api.get("/v1/models", response_model=ModelList)
     async def models(self) -> ModelList:
-        return ModelList(data=[ModelCard(id=self.model_name)])
+        return ModelList(data=[ModelCard(id=self.model_name, created=self.created)])
 
     @api.get("/v1/stats")
     async def stats(self) -> dict[str, Any]:

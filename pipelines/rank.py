@@ -1,5 +1,12 @@
-"""``/rank``: rerank documents for a query over the batched ranker deployment."""
+"""``/rank``: rerank documents for a query over the batched ranker deployment.
 
+``POST /rank/v1/rerank`` takes the rerank shape Cohere v1, Jina and TEI share;
+``POST /rank/v2/rerank`` takes and answers Cohere's v2 shape (what ``cohere.ClientV2`` posts).
+"""
+
+import math
+import time
+import uuid
 from typing import Any
 
 from fastapi.responses import JSONResponse
@@ -19,6 +26,9 @@ from carpool.http import (
     make_api,
 )
 from carpool.schemas import (
+    CohereRerankRequest,
+    CohereRerankResponse,
+    CohereRerankResult,
     ModelCard,
     ModelList,
     RerankDocument,
@@ -58,19 +68,22 @@ class RankIngress:
         apply_ingress_defaults(api, self.args.ingress.default_deadline_ms)
         self.ranker = ranker
         self.model_name = self.args.ranker.source.served_model_name or "ranker"
+        self.created = int(time.time())
+        self._described: dict[str, Any] | None = None
 
-    @api.post("/v1/rerank", response_model=RerankResponse)
-    async def rerank(self, body: RerankRequest) -> JSONResponse:
-        check_model(body.model, self.model_name)
-        docs = body.documents
+    async def _score(
+        self, query: str, docs: list[str], truncate: bool, top_n: int | None
+    ) -> tuple[RankResult, list[int]]:
+        """Checks the request against this app's limits, scores, and orders best first."""
         if len(docs) > self.args.max_documents_per_request:
             raise RequestError(
                 400,
                 f"documents has {len(docs)} items; send at most "
-                f"{self.args.max_documents_per_request} per request",
+                f"{self.args.max_documents_per_request} per request (split the rest into "
+                "another request)",
                 param="documents",
             )
-        for i, text in enumerate([body.query, *docs]):
+        for i, text in enumerate([query, *docs]):
             if len(text) > self.args.max_chars_per_document:
                 where = "query" if i == 0 else f"documents[{i - 1}]"
                 raise RequestError(
@@ -81,11 +94,18 @@ class RankIngress:
                 )
         result: RankResult = await call_idempotent(
             "ranker",
-            lambda: self.ranker.rank.remote(body.query, docs, body.truncate, current_controls()),
+            lambda: self.ranker.rank.remote(query, docs, truncate, current_controls()),
         )
         order = sorted(range(len(docs)), key=lambda i: -result.scores[i])
-        if body.top_n is not None:
-            order = order[: body.top_n]
+        if top_n is not None:
+            order = order[:top_n]
+        return result, order
+
+    @api.post("/v1/rerank", response_model=RerankResponse)
+    async def rerank(self, body: RerankRequest) -> JSONResponse:
+        check_model(body.model, self.model_name)
+        docs = body.documents
+        result, order = await self._score(body.query, docs, body.truncate, body.top_n)
         response = RerankResponse(
             model=result.model,
             results=[
@@ -103,9 +123,51 @@ class RankIngress:
         )
         return JSONResponse(response.model_dump(exclude_none=True))
 
+    async def _max_length(self) -> int:
+        if self._described is None:
+            self._described = await call_backend("ranker", self.ranker.describe.remote())
+        return int(self._described["max_length"])
+
+    @api.post("/v2/rerank", response_model=CohereRerankResponse)
+    async def rerank_v2(self, body: CohereRerankRequest) -> JSONResponse:
+        """Cohere's v2 shape: ``results`` of index and relevance score, ``meta`` with units."""
+        check_model(body.model, self.model_name)
+        if body.max_tokens_per_doc is not None:
+            limit = await self._max_length()
+            if body.max_tokens_per_doc < limit:
+                raise RequestError(
+                    400,
+                    f"max_tokens_per_doc {body.max_tokens_per_doc} is below this ranker's "
+                    f"limit of {limit} tokens per query-document pair, and carpool cannot cut "
+                    f"documents shorter; remove max_tokens_per_doc or send at least {limit}",
+                    param="max_tokens_per_doc",
+                )
+        docs = body.texts()
+        # Cohere truncates long documents; so does this route (never a 413).
+        result, order = await self._score(body.query, docs, True, body.top_n)
+        response = CohereRerankResponse(
+            id=str(uuid.uuid4()),
+            model=result.model,
+            results=[
+                CohereRerankResult(
+                    index=i,
+                    relevance_score=sigmoid(result.scores[i]),
+                    document=RerankDocument(text=docs[i]) if body.return_documents else None,
+                )
+                for i in order
+            ],
+            meta={
+                "api_version": {"version": "2"},
+                # Cohere bills one search unit per query with up to 100 documents.
+                "billed_units": {"search_units": math.ceil(len(docs) / 100)},
+                "tokens": {"input_tokens": result.total_tokens, "output_tokens": 0},
+            },
+        )
+        return JSONResponse(response.model_dump(exclude_none=True))
+
     @api.get("/v1/models", response_model=ModelList)
     async def models(self) -> ModelList:
-        return ModelList(data=[ModelCard(id=self.model_name)])
+        return ModelList(data=[ModelCard(id=self.model_name, created=self.created)])
 
     @api.get("/v1/stats")
     async def stats(self) -> dict[str, Any]:

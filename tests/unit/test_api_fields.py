@@ -128,3 +128,278 @@ def test_rag_accepts_values_that_ask_for_what_it_does() -> None:
         user="me",
     )
     assert body.question() == Q[0]["content"]
+
+
+# --- embeddings: token-id inputs -------------------------------------------------------------
+
+
+def _embed_error(value: object) -> str:
+    from carpool.schemas import EmbeddingRequest
+
+    with pytest.raises(ValidationError) as info:
+        EmbeddingRequest.model_validate({"input": value})
+    return str(info.value)
+
+
+def test_embedding_input_takes_every_openai_shape() -> None:
+    from carpool.schemas import EmbeddingRequest
+
+    one = EmbeddingRequest.model_validate({"input": [101, 7592, 102]})
+    assert one.is_token_ids() and one.token_ids() == [[101, 7592, 102]] and one.count() == 1
+    many = EmbeddingRequest.model_validate({"input": [[101, 102], [101, 7592, 102]]})
+    assert many.token_ids() == [[101, 102], [101, 7592, 102]] and many.texts() == []
+    texts = EmbeddingRequest.model_validate({"input": ["a", "b"]})
+    assert not texts.is_token_ids() and texts.texts() == ["a", "b"] and texts.count() == 2
+    assert EmbeddingRequest.model_validate({"input": "a"}).texts() == ["a"]
+
+
+@pytest.mark.parametrize(
+    ("value", "fragment"),
+    [
+        ([1, "a"], "input[1] is a string"),
+        (["a", 1], "input[1] is the integer 1"),
+        ([[1, 2], [3, "x"]], "input[1] is a list"),
+        ([[1, 2], []], "input[1] is an empty list of token ids"),
+        ([-5, 2], "never negative"),
+        ([True, 2], "input[0] is a boolean"),
+        ([1.5], "non-integer"),
+        (42, "send a string, a list of strings, a list of token ids"),
+        ([None], "input[0] is null"),
+    ],
+)
+def test_embedding_input_errors_name_the_item_and_the_shapes(value: object, fragment: str) -> None:
+    message = _embed_error(value)
+    assert fragment in message
+    # One clear message, not pydantic's dump of every union branch.
+    assert "input.str" not in message and "list[int]" not in message
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory: pytest.TempPathFactory) -> dict[str, str]:
+    from tests.factories import build_tiny_models
+
+    return build_tiny_models(tmp_path_factory.mktemp("tiny-api"))
+
+
+def _embedder(path: str, **source: object):
+    from deployments.embedder import EmbedderConfig, EmbeddingServer, TextEmbedder
+
+    config = EmbedderConfig.model_validate({"source": {"model": path, **source}})
+    return EmbeddingServer(config, TextEmbedder(config))
+
+
+def test_token_ids_embed_like_the_text_they_encode(tiny: dict[str, str]) -> None:
+    import asyncio
+
+    import numpy as np
+
+    server = _embedder(tiny["encoder"], max_length=64)
+    texts = ["the river city", "paris is the capital of france"]
+    ids = server.model.tokenize(texts)
+    from_text = asyncio.run(server.embed(texts))
+    from_ids = asyncio.run(server.embed_tokens(ids))
+    assert from_ids.token_counts == from_text.token_counts
+    for a, b in zip(from_text.vectors, from_ids.vectors, strict=True):
+        np.testing.assert_allclose(a, b, atol=1e-5)
+
+
+def test_foreign_token_ids_are_refused_with_the_langchain_setting(tiny: dict[str, str]) -> None:
+    import asyncio
+
+    from carpool.errors import RequestError
+
+    server = _embedder(tiny["encoder"], max_length=64)
+    # tiktoken (cl100k) ids run past a BERT vocabulary of 30522.
+    with pytest.raises(RequestError) as info:
+        asyncio.run(server.embed_tokens([[101, 102], [15339, 100257]]))
+    assert info.value.status_code == 400
+    assert "input[1]" in info.value.message and "100257" in info.value.message
+    assert "check_embedding_ctx_length=False" in info.value.message
+
+
+def test_long_token_ids_are_cut_or_refused(tiny: dict[str, str]) -> None:
+    import asyncio
+
+    from carpool.errors import RequestError
+
+    server = _embedder(tiny["encoder"], max_length=16)
+    long = [101, *([1996] * 40), 102]
+    result = asyncio.run(server.embed_tokens([[101, 102], long]))
+    assert result.truncated == [False, True] and result.token_counts == [2, 16]
+    with pytest.raises(RequestError) as info:
+        asyncio.run(server.embed_tokens([long], truncate=False))
+    assert info.value.status_code == 413 and "truncate" in info.value.message
+
+
+# --- rerank: Cohere v2 shape; model cards ----------------------------------------------------
+
+
+def test_cohere_v2_rerank_request_takes_strings_and_text_objects() -> None:
+    from carpool.schemas import CohereRerankRequest
+
+    body = CohereRerankRequest.model_validate(
+        {
+            "model": "ranker",
+            "query": "capital of France",
+            "documents": ["Paris is in France.", {"text": "Berlin is in Germany."}],
+            "top_n": 1,
+            "max_tokens_per_doc": 4096,
+        }
+    )
+    assert body.texts() == ["Paris is in France.", "Berlin is in Germany."]
+    for bad, fragment in (
+        ({"documents": []}, "empty list"),
+        ({"documents": ["ok", " "]}, "documents[1]"),
+        ({"documents": ["a"], "rank_fields": ["title"]}, "rank_fields"),
+        ({"documents": [{"text": "a", "title": "t"}]}, "title"),
+    ):
+        with pytest.raises(ValidationError, match=fragment.replace("[", r"\[")):
+            CohereRerankRequest.model_validate({"query": "q", **bad})
+
+
+def test_model_cards_carry_created() -> None:
+    import time
+
+    from carpool.schemas import ModelCard
+
+    card = ModelCard(id="embedder").model_dump()
+    assert abs(card["created"] - time.time()) < 60
+    assert ModelCard(id="x", created=5).model_dump()["created"] == 5
+
+
+# --- pooling ---------------------------------------------------------------------------------
+
+
+def _st_folder(root, flags: dict, modules_path: str | None = "1_Pooling"):
+    import json
+    import shutil
+
+    shutil.copytree(root, root.parent / (root.name + "-st"), dirs_exist_ok=False)
+    folder = root.parent / (root.name + "-st")
+    if modules_path is not None:
+        (folder / "modules.json").write_text(
+            json.dumps(
+                [
+                    {"idx": 0, "name": "0", "path": "", "type": "x.Transformer"},
+                    {"idx": 1, "name": "1", "path": modules_path, "type": "x.Pooling"},
+                ]
+            )
+        )
+        target = folder / modules_path
+    else:
+        target = folder / "1_Pooling"
+    target.mkdir()
+    (target / "config.json").write_text(json.dumps({"word_embedding_dimension": 32, **flags}))
+    return folder
+
+
+@pytest.mark.parametrize(
+    ("flags", "mode"),
+    [
+        ({"pooling_mode_cls_token": True, "pooling_mode_mean_tokens": False}, "cls"),
+        ({"pooling_mode_mean_tokens": True}, "mean"),
+        ({"pooling_mode_max_tokens": True}, "max"),
+        ({"pooling_mode_lasttoken": True}, "lasttoken"),
+        ({"pooling_mode": "cls_token"}, "cls"),
+    ],
+)
+def test_pooling_is_read_from_the_sentence_transformers_config(
+    tmp_path, flags: dict, mode: str
+) -> None:
+    from carpool.models import read_pooling_config, resolve_pooling
+
+    folder = tmp_path / "m"
+    folder.mkdir()
+    folder = _st_folder(folder, flags)
+    assert read_pooling_config(folder) == mode
+    assert resolve_pooling(None, str(folder), "bert") == mode
+    # An explicit setting wins over the folder.
+    assert resolve_pooling("max", str(folder), "bert") == "max"
+
+
+def test_pooling_module_path_comes_from_modules_json(tmp_path) -> None:
+    from carpool.models import read_pooling_config
+
+    folder = tmp_path / "m"
+    folder.mkdir()
+    folder = _st_folder(folder, {"pooling_mode_cls_token": True}, modules_path="2_Pool")
+    assert read_pooling_config(folder) == "cls"
+
+
+@pytest.mark.parametrize(
+    ("flags", "fragment"),
+    [
+        ({"pooling_mode_mean_sqrt_len_tokens": True}, "mean_sqrt_len_tokens"),
+        ({"pooling_mode_weightedmean_tokens": True}, "weightedmean"),
+        ({"pooling_mode_cls_token": True, "pooling_mode_mean_tokens": True}, "cls + mean"),
+        ({}, "no mode"),
+    ],
+)
+def test_pooling_carpool_cannot_apply_is_refused(tmp_path, flags: dict, fragment: str) -> None:
+    from carpool.models import PoolingError, resolve_pooling
+
+    folder = tmp_path / "m"
+    folder.mkdir()
+    folder = _st_folder(folder, flags)
+    with pytest.raises(PoolingError) as info:
+        resolve_pooling(None, str(folder), "bert")
+    assert fragment in str(info.value) and "`pooling`" in str(info.value)
+
+
+def test_pooling_without_config_is_mean_for_encoders_and_refused_otherwise(tmp_path) -> None:
+    from carpool.models import PoolingError, resolve_pooling
+
+    assert resolve_pooling(None, str(tmp_path), "bert") == "mean"
+    assert resolve_pooling(None, None, "xlm-roberta") == "mean"
+    with pytest.raises(PoolingError, match="lasttoken"):
+        resolve_pooling(None, str(tmp_path), "qwen2")
+    assert resolve_pooling("lasttoken", str(tmp_path), "qwen2") == "lasttoken"
+
+
+def test_the_packaged_minilm_folder_says_mean() -> None:
+    from carpool.models import read_pooling_config, resolve_model_source
+
+    assert read_pooling_config(resolve_model_source("packaged:all-MiniLM-L6-v2")) == "mean"
+
+
+def test_embedder_applies_the_folders_pooling(tiny: dict[str, str], tmp_path) -> None:
+    import asyncio
+    import shutil
+    from pathlib import Path
+
+    import numpy as np
+    import torch
+    from transformers import AutoModel
+
+    src = Path(tiny["encoder"])
+    folder = _st_folder(
+        Path(shutil.copytree(src, tmp_path / "enc")), {"pooling_mode_cls_token": True}
+    )
+    server = _embedder(str(folder), max_length=64)
+    assert server.model.pooling == "cls"
+    text = "the river city"
+    got = asyncio.run(server.embed([text])).vectors[0]
+    model = AutoModel.from_pretrained(folder).eval()
+    ids = torch.tensor([server.model.tokenize([text])[0]])
+    with torch.no_grad():
+        cls = model(input_ids=ids).last_hidden_state[0, 0]
+    want = torch.nn.functional.normalize(cls, dim=0).numpy()
+    np.testing.assert_allclose(got, want, atol=1e-5)
+    # The plain folder (no Pooling config, BERT) stays mean-pooled, and differs.
+    plain = asyncio.run(_embedder(str(src), max_length=64).embed([text])).vectors[0]
+    assert not np.allclose(plain, got, atol=1e-3)
+
+
+def test_pool_modes_on_padded_rows() -> None:
+    import torch
+
+    from deployments.embedder import pool
+
+    hidden = torch.tensor(
+        [[[1.0, 5.0], [3.0, -1.0], [100.0, 100.0]], [[2.0, 2.0], [4.0, 0.0], [6.0, 1.0]]]
+    )
+    mask = torch.tensor([[1, 1, 0], [1, 1, 1]])
+    assert pool(hidden, mask, "cls").tolist() == [[1.0, 5.0], [2.0, 2.0]]
+    assert pool(hidden, mask, "mean").tolist() == [[2.0, 2.0], [4.0, 1.0]]
+    assert pool(hidden, mask, "max").tolist() == [[3.0, 5.0], [6.0, 2.0]]
+    assert pool(hidden, mask, "lasttoken").tolist() == [[3.0, -1.0], [6.0, 1.0]]
