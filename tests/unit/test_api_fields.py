@@ -403,3 +403,195 @@ def test_pool_modes_on_padded_rows() -> None:
     assert pool(hidden, mask, "mean").tolist() == [[2.0, 2.0], [4.0, 1.0]]
     assert pool(hidden, mask, "max").tolist() == [[3.0, 5.0], [6.0, 2.0]]
     assert pool(hidden, mask, "lasttoken").tolist() == [[3.0, -1.0], [6.0, 1.0]]
+
+
+# --- the ingress routes without Serve: real model servers behind a plain-Python handle -------
+
+
+class _Method:
+    """``handle.method.remote(...)`` over a plain-Python server (what Serve's handle does)."""
+
+    def __init__(self, fn) -> None:
+        self._fn = fn
+
+    def remote(self, *args, **kwargs):
+        import asyncio
+
+        result = self._fn(*args, **kwargs)
+        return result if asyncio.iscoroutine(result) else _done(result)
+
+
+async def _done(value):
+    return value
+
+
+class _Handle:
+    def __init__(self, server: object, *methods: str) -> None:
+        for name in methods:
+            setattr(self, name, _Method(getattr(server, name)))
+
+
+def _ingress(cls, **attrs):
+    """An ingress instance without Serve's replica machinery (only its route methods)."""
+    # @serve.ingress subclasses the class we wrote (with an ASGI wrapper whose __del__ is a
+    # coroutine); the class under it holds the route methods.
+    original = cls.__mro__[1]
+    assert original.__name__ == cls.__name__ and "__del__" not in original.__dict__
+    obj = object.__new__(original)
+    obj.__dict__.update(attrs)
+    return obj
+
+
+@pytest.fixture(scope="module")
+def rank_ingress(tiny: dict[str, str]):
+    import time
+
+    from deployments.ranker import RankerConfig, RankingServer
+    from pipelines.rank import RankArgs, RankIngress
+
+    args = RankArgs.model_validate(
+        {
+            "ranker": {
+                "backend": "cross_encoder",
+                "source": {"model": tiny["cross_encoder"], "max_length": 64},
+            }
+        }
+    )
+    server = RankingServer(RankerConfig.model_validate(args.ranker.model_dump()))
+    return _ingress(
+        RankIngress,
+        args=args,
+        ranker=_Handle(server, "rank", "describe"),
+        model_name="ranker",
+        created=int(time.time()),
+        _described=None,
+    )
+
+
+def _json(response) -> dict:
+    import json
+
+    return json.loads(response.body)
+
+
+def test_v2_rerank_route_answers_in_cohere_shape(rank_ingress) -> None:
+    import asyncio
+
+    from carpool.schemas import CohereRerankRequest, RerankRequest
+
+    docs = ["the river", "a city", "music and guitar"]
+    v2 = _json(
+        asyncio.run(
+            rank_ingress.rerank_v2(
+                CohereRerankRequest(query="river", documents=[docs[0], {"text": docs[1]}, docs[2]])
+            )
+        )
+    )
+    v1 = _json(asyncio.run(rank_ingress.rerank(RerankRequest(query="river", documents=docs))))
+    assert [r["index"] for r in v2["results"]] == [r["index"] for r in v1["results"]]
+    assert [r["relevance_score"] for r in v2["results"]] == pytest.approx(
+        [r["relevance_score"] for r in v1["results"]]
+    )
+    assert all(set(r) == {"index", "relevance_score"} for r in v2["results"])
+    assert v2["meta"]["billed_units"] == {"search_units": 1}
+    assert v2["meta"]["tokens"]["input_tokens"] == v1["usage"]["total_tokens"]
+    top = _json(
+        asyncio.run(
+            rank_ingress.rerank_v2(
+                CohereRerankRequest(query="river", documents=docs, top_n=1, return_documents=True)
+            )
+        )
+    )
+    assert len(top["results"]) == 1
+    assert top["results"][0]["document"]["text"] == docs[top["results"][0]["index"]]
+
+
+def test_v2_rerank_refuses_max_tokens_per_doc_below_the_rankers_limit(rank_ingress) -> None:
+    import asyncio
+
+    from carpool.errors import RequestError
+    from carpool.schemas import CohereRerankRequest
+
+    with pytest.raises(RequestError) as info:
+        asyncio.run(
+            rank_ingress.rerank_v2(
+                CohereRerankRequest(query="q", documents=["a"], max_tokens_per_doc=10)
+            )
+        )
+    assert info.value.status_code == 400
+    assert "max_tokens_per_doc" in info.value.message and "64" in info.value.message
+    ok = asyncio.run(
+        rank_ingress.rerank_v2(
+            CohereRerankRequest(query="q", documents=["a"], max_tokens_per_doc=64)
+        )
+    )
+    assert ok.status_code == 200
+    cards = asyncio.run(rank_ingress.models()).model_dump()["data"]
+    assert cards[0]["created"] == rank_ingress.created
+
+
+@pytest.fixture(scope="module")
+def embed_ingress(tiny: dict[str, str]):
+    import time
+
+    from deployments.embedder import EmbedderConfig, EmbeddingServer, TextEmbedder
+    from pipelines.embed import EmbedArgs, EmbedIngress
+
+    args = EmbedArgs.model_validate(
+        {"embedder": {"source": {"model": tiny["encoder"], "max_length": 64}}}
+    )
+    config = EmbedderConfig.model_validate(args.embedder.model_dump())
+    server = EmbeddingServer(config, TextEmbedder(config))
+    return _ingress(
+        EmbedIngress,
+        args=args,
+        embedder=_Handle(server, "embed", "embed_tokens"),
+        model_name="embedder",
+        created=int(time.time()),
+    )
+
+
+def test_embeddings_route_takes_token_ids_and_2048_inputs(embed_ingress) -> None:
+    import asyncio
+
+    import numpy as np
+
+    from carpool.errors import RequestError
+    from carpool.schemas import EmbeddingRequest
+    from tests.factories import bert_tokenizer
+
+    texts = ["the river city", "paris is the capital of france"]
+    ids = bert_tokenizer()(texts)["input_ids"]
+    by_text = _json(asyncio.run(embed_ingress.embeddings(EmbeddingRequest(input=texts))))
+    by_ids = _json(asyncio.run(embed_ingress.embeddings(EmbeddingRequest(input=ids))))
+    np.testing.assert_allclose(
+        [d["embedding"] for d in by_text["data"]],
+        [d["embedding"] for d in by_ids["data"]],
+        atol=1e-5,
+    )
+    assert by_ids["usage"]["prompt_tokens"] == sum(len(s) for s in ids)
+    many = _json(asyncio.run(embed_ingress.embeddings(EmbeddingRequest(input=["w"] * 2048))))
+    assert len(many["data"]) == 2048
+    with pytest.raises(RequestError) as info:
+        asyncio.run(embed_ingress.embeddings(EmbeddingRequest(input=["w"] * 2049)))
+    assert info.value.status_code == 400
+    assert "2048" in info.value.message and "chunk_size" in info.value.message
+    with pytest.raises(RequestError) as info:
+        asyncio.run(embed_ingress.embeddings(EmbeddingRequest(input=[[101, 102], [100257]])))
+    assert info.value.status_code == 400 and "check_embedding_ctx_length" in info.value.message
+
+
+def test_rag_model_must_be_what_the_app_serves() -> None:
+    from carpool.errors import RequestError
+    from pipelines.rag import RagArgs, RagIngress
+
+    ingress = _ingress(RagIngress, args=RagArgs())
+    ingress._check_model(None)
+    ingress._check_model("rag")
+    with pytest.raises(RequestError) as info:
+        ingress._check_model("gpt-4o")
+    assert info.value.status_code == 404 and "'rag'" in info.value.message
+    renamed = _ingress(RagIngress, args=RagArgs(model_name="docs-qa"))
+    renamed._check_model("docs-qa")
+    with pytest.raises(RequestError):
+        renamed._check_model("rag")
