@@ -129,7 +129,13 @@ class PassCostModel:
     slows down (a neighbour on its core) without remembering its cold start forever.
     """
 
-    def __init__(self, decay: float = 0.97, min_passes: int = 5) -> None:
+    def __init__(
+        self,
+        decay: float = 0.97,
+        min_passes: int = 5,
+        max_pass_items: int | None = None,
+        max_pass_tokens: int | None = None,
+    ) -> None:
         self.decay = decay
         self.min_passes = min_passes
         self.passes = 0
@@ -137,6 +143,9 @@ class PassCostModel:
         self.fixed_ms = 0.0
         self.ms_per_token = 0.0
         self.mean_pass_items = 1.0
+        # The batch limits: a deep queue runs in passes this full, whatever was seen lately.
+        self.max_pass_items = max_pass_items
+        self.max_pass_tokens = max_pass_tokens
 
     def observe(self, tokens: int, items: int, ms: float) -> None:
         d = self.decay
@@ -169,8 +178,23 @@ class PassCostModel:
         """Time to run ``items`` items of ``tokens`` real tokens in total, in passes."""
         if not self.ready or items <= 0:
             return 0.0
+        return self.passes_for(items, tokens) * self.fixed_ms + tokens * self.ms_per_token
+
+    def passes_for(self, items: int, tokens: int) -> int:
+        """Forward passes ``items`` queued items take.
+
+        Passes as large as the recent ones, but never fewer items per pass than the limits
+        allow: the executor runs everything queued, so a deep queue runs in full passes even
+        when light load lately ran one item at a time. (Counting a 146-text burst as 146
+        single-item passes once made a replica call 8 s of work 31 s and refuse it.)
+        """
         passes = math.ceil(items / max(self.mean_pass_items, 1.0))
-        return passes * self.fixed_ms + tokens * self.ms_per_token
+        if self.max_pass_items is None:
+            return passes
+        full = math.ceil(items / self.max_pass_items)
+        if self.max_pass_tokens:
+            full = max(full, math.ceil(tokens / self.max_pass_tokens))
+        return max(1, min(passes, full))
 
 
 @dataclass

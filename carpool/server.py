@@ -48,7 +48,9 @@ class BatchedModelServer(Generic[P, R]):
         self.executor: LengthAwareExecutor[P, R] = LengthAwareExecutor(
             forward, self._splitter(batching), max_step_items=self._step_items(batching)
         )
-        self.cost = PassCostModel()
+        self.cost = PassCostModel(
+            max_pass_items=batching.max_batch_size, max_pass_tokens=batching.max_batch_tokens
+        )
         self.executor.listeners.append(_CostListener(self.cost))
         self.executor.listeners.append(_HeapTrimmer())
         self.admission_limits = AdmissionLimits(0, None, 1.0)
@@ -78,6 +80,8 @@ class BatchedModelServer(Generic[P, R]):
         self.batching = b
         self.limits.max_batch_size = b.max_batch_size
         self.limits.max_batch_tokens = b.max_batch_tokens
+        self.cost.max_pass_items = b.max_batch_size
+        self.cost.max_pass_tokens = b.max_batch_tokens
         self.executor.splitter = self._splitter(b)
         self.executor.max_step_items = self._step_items(b)
         self._apply_admission(b)

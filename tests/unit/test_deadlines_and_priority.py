@@ -74,6 +74,22 @@ def test_cost_model_recovers_a_linear_pass_cost() -> None:
     assert cost.estimate_ms(16, 1000) == pytest.approx(2 * 7.0 + 200, rel=0.05)
 
 
+def test_a_deep_queue_is_costed_in_full_passes_after_light_load() -> None:
+    # Light load ran one item per pass; a 146-item burst still runs in passes of up to 64
+    # items (the executor takes everything queued), so its fixed cost is 3 passes, not 146.
+    cost = PassCostModel(min_passes=1, max_pass_items=64, max_pass_tokens=8192)
+    for tokens in [10, 40, 20, 80, 30, 60]:
+        cost.observe(tokens, items=1, ms=20.0 + 0.5 * tokens)
+    assert cost.fixed_ms == pytest.approx(20.0, abs=0.01)
+    assert cost.estimate_ms(146, 4000) == pytest.approx(3 * 20.0 + 0.5 * 4000, rel=0.01)
+    # Token-heavy queues need more passes than the item count alone says.
+    assert cost.passes_for(64, 64 * 250) == 2
+    # Without limits (a caller that does not know them) the observed pass size rules.
+    unbounded = PassCostModel(min_passes=1)
+    unbounded.observe(10, items=1, ms=25.0)
+    assert unbounded.passes_for(146, 1460) == 146
+
+
 def test_drain_admission_keeps_room_for_interactive_and_refuses_unmeetable_deadlines() -> None:
     cost = PassCostModel(min_passes=1)
     cost.observe(100, 10, 100.0)  # ~1 ms per token
