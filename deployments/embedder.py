@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import json
 import os
+import threading
 from dataclasses import dataclass
 from typing import Any, Literal, Protocol
 
@@ -115,14 +116,21 @@ class TextEmbedder:
         )
         self.normalize = config.normalize
         self.pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
+        # A fast tokenizer keeps its truncation setting as state that every call rewrites, so
+        # a truncating call racing another request's tokenize (worker threads) came back
+        # uncut: 162 ids reached a 128-position model. One call at a time.
+        self._tokenizer_lock = threading.Lock()
 
     def tokenize(self, texts: list[str]) -> list[list[int]]:
-        return self.tokenizer(texts, add_special_tokens=True, truncation=False)["input_ids"]
+        with self._tokenizer_lock:
+            return self.tokenizer(texts, add_special_tokens=True, truncation=False)["input_ids"]
 
     def truncate(self, text: str) -> list[int]:
-        return self.tokenizer(
-            text, add_special_tokens=True, truncation=True, max_length=self.max_length
-        )["input_ids"]
+        with self._tokenizer_lock:
+            ids = self.tokenizer(
+                text, add_special_tokens=True, truncation=True, max_length=self.max_length
+            )["input_ids"]
+        return ids[: self.max_length]
 
     def embed_ids(self, batch: list[list[int]]) -> list[np.ndarray]:
         torch = self._torch
@@ -214,8 +222,14 @@ class EmbeddingServer(BatchedModelServer[list[int], np.ndarray]):
                             param=f"input[{i}]",
                             code="input_too_long",
                         )
-                    ids[i] = self.model.truncate(texts[i])
                     truncated[i] = True
+            cut = [i for i, flag in enumerate(truncated) if flag]
+            if cut:  # in a worker thread too: the tokenizer may be busy with another request
+                again = await asyncio.to_thread(
+                    lambda: [self.model.truncate(texts[i]) for i in cut]
+                )
+                for i, seq in zip(cut, again, strict=True):
+                    ids[i] = seq
             lengths = [len(s) for s in ids]
             vectors = await self.run_job(self.make_job(ids, lengths, controls), ticket)
         return EmbedResult(vectors, lengths, truncated, self.model.name)

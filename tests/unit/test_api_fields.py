@@ -595,3 +595,31 @@ def test_rag_model_must_be_what_the_app_serves() -> None:
     renamed._check_model("docs-qa")
     with pytest.raises(RequestError):
         renamed._check_model("rag")
+
+
+def test_truncation_is_exact_while_other_requests_tokenize(tiny: dict[str, str]) -> None:
+    # A fast tokenizer's truncation is state every call rewrites; a truncating call racing
+    # another request's tokenize in a worker thread once came back uncut.
+    import threading
+
+    server = _embedder(tiny["encoder"], max_length=16)
+    model = server.model
+    long = " ".join(["river city"] * 60)
+    expected = model.truncate(long)
+    assert len(expected) == 16 and expected[-1] == model.tokenizer.sep_token_id
+    stop = threading.Event()
+
+    def churn() -> None:
+        while not stop.is_set():
+            model.tokenize([long] * 8)
+
+    workers = [threading.Thread(target=churn) for _ in range(2)]
+    for w in workers:
+        w.start()
+    try:
+        results = [model.truncate(long) for _ in range(300)]
+    finally:
+        stop.set()
+        for w in workers:
+            w.join()
+    assert all(r == expected for r in results)
