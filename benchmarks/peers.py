@@ -36,6 +36,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import aiohttp
 import httpx
 
 from benchmarks.arrivals import poisson_arrivals
@@ -498,15 +499,13 @@ class PeersLoadGenerator(LoadGenerator):
         record = StreamRecord(index, scheduled, started, started, TRANSPORT_ERROR, target=ep.name)
         headers = {**JSON_HEADERS, **ep.headers}
         try:
-            async with self._client.stream(
-                "POST", ep.target.path, content=body, headers=headers
-            ) as resp:
-                record.status = resp.status_code
-                if not 200 <= resp.status_code < 300:
-                    record.error = (await resp.aread()).decode(errors="replace")[:300]
+            async with self.http.post(self.url(ep.target.path), data=body, headers=headers) as resp:
+                record.status = resp.status
+                if not 200 <= resp.status < 300:
+                    record.error = (await resp.read()).decode(errors="replace")[:300]
                 else:
-                    async for line in resp.aiter_lines():
-                        chunk = parse_sse_line(line)
+                    async for raw in resp.content:  # one SSE line at a time, as it arrives
+                        chunk = parse_sse_line(raw.decode(errors="replace").rstrip("\r\n"))
                         if chunk is None:
                             continue
                         now = time.perf_counter() - t0
@@ -521,9 +520,9 @@ class PeersLoadGenerator(LoadGenerator):
                     record.items = 1
                     if record.tokens == 0:  # no usage chunk: one token per chunk
                         record.tokens = record.chunks
-        except httpx.TimeoutException:
+        except TimeoutError:
             record.status, record.error = TIMED_OUT, f"no answer within {self.timeout_s:g} s"
-        except httpx.HTTPError as exc:
+        except aiohttp.ClientError as exc:
             record.status, record.error = TRANSPORT_ERROR, f"{type(exc).__name__}: {exc}"[:300]
         except asyncio.CancelledError:
             record.status = CANCELLED

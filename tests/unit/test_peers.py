@@ -212,3 +212,47 @@ def test_merge_keeps_the_other_phase() -> None:
         "generate": {"b": 3},
         "command": "new",
     }
+
+
+def test_the_streaming_client_times_each_chunk_as_it_arrives() -> None:
+    # A local SSE server sends two token chunks 0.3 s apart, then usage: the record's first
+    # and last token times must be that far apart (read per line, not after the whole body).
+    import asyncio
+
+    from aiohttp import web
+
+    from benchmarks.loadgen import Endpoint
+
+    async def handler(request: web.Request) -> web.StreamResponse:
+        await request.read()
+        resp = web.StreamResponse(headers={"content-type": "text/event-stream"})
+        await resp.prepare(request)
+        await resp.write(sse({"choices": [{"text": "a"}]}).encode() + b"\n\n")
+        await asyncio.sleep(0.3)
+        await resp.write(sse({"choices": [{"text": "b"}]}).encode() + b"\n\n")
+        await resp.write(
+            sse({"usage": {"completion_tokens": 2}}).encode() + b"\n\ndata: [DONE]\n\n"
+        )
+        return resp
+
+    async def go() -> peers.StreamRecord:
+        app = web.Application()
+        app.router.add_post("/v1/completions", handler)
+        runner = web.AppRunner(app)
+        await runner.setup()
+        site = web.TCPSite(runner, "127.0.0.1", 0)
+        await site.start()
+        port = site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
+        target = peers.StreamingTarget("x", "")
+        request = GenerateRequest("hi", 2, 2)
+        try:
+            async with peers.PeersLoadGenerator(f"http://127.0.0.1:{port}", progress=False) as gen:
+                ep = Endpoint("x", target, [request])
+                return await gen.send(ep, request, target.encode(request), 0, 0.0, 0.0)
+        finally:
+            await runner.cleanup()
+
+    record = asyncio.run(go())
+    assert record.status == 200 and record.chunks == 2 and record.tokens == 2
+    assert record.first_token is not None and record.last_token is not None
+    assert record.last_token - record.first_token >= 0.25
