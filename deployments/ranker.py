@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import asyncio
 import math
+import threading
 from dataclasses import dataclass
 from typing import Any, Literal, Protocol
 
@@ -121,8 +122,16 @@ class CrossEncoderScorer:
         self.device, self.tokenizer, self.model = loaded.device, loaded.tokenizer, loaded.model
         self.max_length = _model_limit(config.source, self.model, self.tokenizer)
         self.pad_id = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else 0
+        # A fast tokenizer's truncation setting is state every call rewrites; requests
+        # tokenize in worker threads, so a truncating call must not race an untruncated one
+        # (the embedder saw uncut ids reach the model that way).
+        self._tokenizer_lock = threading.Lock()
 
     def encode(self, query: str, documents: list[str], truncate: bool) -> list[tuple[Pair, bool]]:
+        with self._tokenizer_lock:
+            return self._encode(query, documents, truncate)
+
+    def _encode(self, query: str, documents: list[str], truncate: bool) -> list[tuple[Pair, bool]]:
         full = self.tokenizer([query] * len(documents), documents, truncation=False)
         out: list[tuple[Pair, bool]] = []
         for i, ids in enumerate(full["input_ids"]):
