@@ -35,6 +35,7 @@ from carpool.generation.engine import (
     TokenizerInfo,
     make_engine,
 )
+from carpool.generation.logprobs import TokenTexts, merge_records, raw_record
 from carpool.generation.runner import kv_geometry
 from carpool.generation.sampling import SamplingParams
 from carpool.generation.scheduler import SchedulerLimits
@@ -257,6 +258,8 @@ class GeneratorServer:
             cfg.limits.max_kv_cache_mb,
         )
         self._collector: ArrivalCollector | None = None
+        # Token ids to text for logprobs (special tokens kept: every token gets an entry).
+        self.token_texts = TokenTexts(lambda ids: tokenizer.decode(ids))
         self.engine: GenerationEngine = make_engine(
             cfg.mode,
             self.model,
@@ -422,6 +425,7 @@ class GeneratorServer:
                     stop=tuple(call.stop),
                     seed=None if call.seed is None else call.seed + index,
                     ignore_eos=call.ignore_eos,
+                    top_logprobs=call.logprobs or 0,
                 )
                 seqs.append(
                     GenSequence(
@@ -471,6 +475,11 @@ class GeneratorServer:
                 if not seq.finished:
                     self.engine.cancel(seq)
 
+    def _logprobs(self, event: SeqEvent) -> dict[str, Any]:
+        return raw_record(
+            self.token_texts, event.token_ids, event.token_logprobs, event.top_logprobs
+        )
+
     def _timeout(self, call: GenerationCall) -> RequestError:
         # The engine's deadline is the earlier of the client's and request_timeout_s (0.5 s of
         # slack for the monotonic and wall clocks drifting apart).
@@ -494,24 +503,31 @@ class GeneratorServer:
         token_ids: list[int] = []
         token_logprobs: list[float] = []
         reasons: dict[int, str] = {}
+        records: dict[int, list[dict[str, Any]]] = {}
         completion = prompt_tokens = 0
         async for kind, value in self._events(call):
             if kind == "start":
                 prompt_tokens = value
                 continue
             texts.setdefault(value.index, []).append(value.text)
+            if call.logprobs is not None:
+                records.setdefault(value.index, []).append(self._logprobs(value))
             if value.index == 0:
                 token_ids.extend(value.token_ids)
                 token_logprobs.extend(value.token_logprobs)
             if value.finish_reason is not None:
                 reasons[value.index] = value.finish_reason
                 completion += value.completion_tokens
+        choices: list[dict[str, Any]] = [
+            {"index": i, "text": "".join(texts.get(i, [])), "finish_reason": reasons[i]}
+            for i in sorted(reasons)
+        ]
+        if call.logprobs is not None:  # only when asked: the record is endpoint-neutral
+            for choice in choices:
+                choice["logprobs"] = merge_records(records.get(choice["index"], []))
         return {
             "model": self.name,
-            "choices": [
-                {"index": i, "text": "".join(texts.get(i, [])), "finish_reason": reasons[i]}
-                for i in sorted(reasons)
-            ],
+            "choices": choices,
             "prompt_tokens": prompt_tokens,
             "completion_tokens": completion,
             "token_ids": token_ids,
@@ -529,13 +545,19 @@ class GeneratorServer:
                 continue
             if value.finish_reason is not None:
                 completion += value.completion_tokens
-            if value.text or value.finish_reason is not None:
-                yield {
+            # A token whose text is held back (a partial character, a possible stop string)
+            # still gets its own delta when logprobs are asked for, so none goes missing.
+            with_logprobs = call.logprobs is not None and bool(value.token_ids)
+            if value.text or value.finish_reason is not None or with_logprobs:
+                delta: dict[str, Any] = {
                     "type": "delta",
                     "index": value.index,
                     "text": value.text,
                     "finish_reason": value.finish_reason,
                 }
+                if call.logprobs is not None:
+                    delta["logprobs"] = self._logprobs(value)
+                yield delta
         yield {"type": "end", "prompt_tokens": prompt_tokens, "completion_tokens": completion}
 
 

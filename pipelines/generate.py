@@ -21,6 +21,7 @@ from ray.serve.handle import DeploymentHandle
 
 from carpool.config import IngressConfig, ModelSourceConfig, StrictModel
 from carpool.errors import RequestError, find_request_error
+from carpool.generation.logprobs import chat_logprobs, completion_logprobs
 from carpool.generation.schemas import (
     ChatChoice,
     ChatChunkChoice,
@@ -124,6 +125,25 @@ def with_controls(call: GenerationCall) -> dict[str, Any]:
     ).model_dump()
 
 
+def check_logprobs_route(tier: str, stream: bool, logprobs: int | None) -> None:
+    """Refuses what would drop logprobs: a streamed 'auto' request.
+
+    The router's cascade streams small's judged answer in one piece without the token
+    records, so logprobs would silently go missing; naming a model streams them.
+    """
+    if tier == "auto" and stream and logprobs is not None:
+        raise RequestError(
+            400,
+            "logprobs with stream: true is not available for model 'auto' (its cascade "
+            "answers in one piece without them); name 'small' or 'large', or send stream: false",
+            param="logprobs",
+        )
+
+
+def _chat_logprobs(record: dict[str, Any] | None) -> dict[str, Any] | None:
+    return None if record is None else chat_logprobs(record)
+
+
 def _usage(counts: dict[str, Any]) -> UsageInfo:
     prompt, completion = counts["prompt_tokens"], counts["completion_tokens"]
     return UsageInfo(
@@ -176,6 +196,7 @@ class GenerateIngress:
     @api.post("/v1/completions", response_model=CompletionResponse)
     async def completions(self, body: CompletionRequest) -> Any:
         tier, handle, model = self._route(body.model)
+        check_logprobs_route(tier, bool(body.stream), body.logprobs)
         call = with_controls(GenerationCall.from_completion(body))
         if body.stream:
             return await self._stream(
@@ -185,7 +206,15 @@ class GenerateIngress:
         result = await call_backend(tier, handle.generate.remote(call))
         response = CompletionResponse(
             model=_answered_by(result, model),
-            choices=[CompletionChoice(**c) for c in result["choices"]],
+            choices=[
+                CompletionChoice(
+                    index=c["index"],
+                    text=c["text"],
+                    finish_reason=c["finish_reason"],
+                    logprobs=completion_logprobs(c["logprobs"]) if "logprobs" in c else None,
+                )
+                for c in result["choices"]
+            ],
             usage=_usage(result),
         )
         return _with_decision(response.model_dump(), result.get("carpool"))
@@ -194,6 +223,8 @@ class GenerateIngress:
         self, model: str, include_usage: bool
     ) -> Callable[[dict[str, Any]], list[dict[str, Any]]]:
         chunk_id, created = new_id("cmpl"), now()
+        # Characters each choice has streamed so far: where its next token's text_offset is.
+        offsets: dict[int, int] = {}
 
         def chunk(choices: list[dict[str, Any]], usage: Any = None) -> dict[str, Any]:
             return {
@@ -207,6 +238,12 @@ class GenerateIngress:
 
         def fmt(event: dict[str, Any]) -> list[dict[str, Any]]:
             if event["type"] == "delta":
+                logprobs = None
+                record = event.get("logprobs")
+                if record is not None:
+                    start = offsets.get(event["index"], 0)
+                    logprobs = completion_logprobs(record, start)
+                    offsets[event["index"]] = start + sum(len(t) for t in record["tokens"])
                 return [
                     chunk(
                         [
@@ -214,7 +251,7 @@ class GenerateIngress:
                                 "index": event["index"],
                                 "text": event["text"],
                                 "finish_reason": event["finish_reason"],
-                                "logprobs": None,
+                                "logprobs": logprobs,
                             }
                         ]
                     )
@@ -230,10 +267,14 @@ class GenerateIngress:
     @api.post("/v1/chat/completions", response_model=ChatCompletionResponse)
     async def chat_completions(self, body: ChatCompletionRequest) -> Any:
         tier, handle, model = self._route(body.model)
+        check_logprobs_route(tier, bool(body.stream), body.logprobs_asked())
         call = with_controls(GenerationCall.from_chat(body))
         if body.stream:
             return await self._stream(
-                tier, handle, call, self._chat_chunks(model, body.n, body.include_usage())
+                tier,
+                handle,
+                call,
+                self._chat_chunks(model, body.choices_per_prompt(), body.include_usage()),
             )
         await refuse_if_overloaded(tier)
         result = await call_backend(tier, handle.generate.remote(call))
@@ -244,6 +285,7 @@ class GenerateIngress:
                     index=c["index"],
                     message=ChatMessageOut(content=c["text"]),
                     finish_reason=c["finish_reason"],
+                    logprobs=_chat_logprobs(c.get("logprobs")),
                 )
                 for c in result["choices"]
             ],
@@ -276,6 +318,7 @@ class GenerateIngress:
                                 index=event["index"],
                                 delta=delta,
                                 finish_reason=event["finish_reason"],
+                                logprobs=_chat_logprobs(event.get("logprobs")),
                             )
                         ]
                     )

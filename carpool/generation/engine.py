@@ -35,6 +35,7 @@ from carpool.generation.sampling import (
     chosen_logprobs,
     sample_one,
     sample_rows,
+    top_alternatives,
 )
 from carpool.generation.scheduler import Scheduler, SchedulerLimits
 from carpool.generation.text import IncrementalDecoder, StopMatcher
@@ -70,6 +71,9 @@ class SeqEvent:
     token_ids: list[int] = field(default_factory=list)
     # Log-probability of each of token_ids under the distribution it was drawn from.
     token_logprobs: list[float] = field(default_factory=list)
+    # For each of token_ids, the sequence's top_logprobs most likely (token, logprob) pairs;
+    # empty unless its params ask for alternatives.
+    top_logprobs: list[list[tuple[int, float]]] = field(default_factory=list)
     finish_reason: str | None = None
     prompt_tokens: int = 0
     completion_tokens: int = 0
@@ -111,6 +115,7 @@ class GenSequence:
         self._stopper = StopMatcher(params.stop)
         self._pending_ids: list[int] = []
         self._pending_logprobs: list[float] = []
+        self._pending_top: list[list[tuple[int, float]]] = []
 
     @property
     def num_prompt_tokens(self) -> int:
@@ -322,7 +327,13 @@ class GenerationEngine(ABC):
             return "timeout"
         return None
 
-    def _accept(self, seq: GenSequence, token: int, logprob: float | None = None) -> bool:
+    def _accept(
+        self,
+        seq: GenSequence,
+        token: int,
+        logprob: float | None = None,
+        top: list[tuple[int, float]] | None = None,
+    ) -> bool:
         """Appends a sampled token, sends the text it completes; True when the sequence ends."""
         now = time.monotonic()
         if seq.first_token_at is None:
@@ -332,6 +343,8 @@ class GenerationEngine(ABC):
         if logprob is not None:
             seq.output_logprobs.append(logprob)
             seq._pending_logprobs.append(logprob)
+        if seq.params.top_logprobs:
+            seq._pending_top.append(top or [])
         self.totals["tokens_generated"] += 1
         if seq._decoder is None:
             seq._decoder = IncrementalDecoder(self.tok.decode, context=len(seq._context))
@@ -372,6 +385,7 @@ class GenerationEngine(ABC):
             text=text,
             token_ids=seq._pending_ids,
             token_logprobs=seq._pending_logprobs,
+            top_logprobs=seq._pending_top,
             finish_reason=reason,
             prompt_tokens=seq.num_prompt_tokens,
             completion_tokens=len(seq.output_ids),
@@ -379,6 +393,7 @@ class GenerationEngine(ABC):
         )
         seq._pending_ids = []
         seq._pending_logprobs = []
+        seq._pending_top = []
         try:
             seq.sink(event)
         except Exception:  # a broken sink (closed loop) must not stop the engine
@@ -476,10 +491,12 @@ class ContinuousEngine(GenerationEngine):
                 0, [s.next_chunk(1) for s in seqs], [s.num_computed for s in seqs]
             )
             tokens = sample_rows(logits, [s.sampler for s in seqs])
-            logprobs = chosen_logprobs(logits, tokens, [s.sampler for s in seqs])
-            for seq, token, logprob in zip(seqs, tokens, logprobs, strict=True):
+            states = [s.sampler for s in seqs]
+            logprobs = chosen_logprobs(logits, tokens, states)
+            tops = top_alternatives(logits, states)
+            for seq, token, logprob, top in zip(seqs, tokens, logprobs, tops, strict=True):
                 seq.num_computed += 1
-                if self._accept(seq, token, logprob):
+                if self._accept(seq, token, logprob, top):
                     ended.append(seq)
             record.decode_ms = (time.perf_counter() - start) * 1000
             record.decode_seqs = len(seqs)
@@ -503,9 +520,10 @@ class ContinuousEngine(GenerationEngine):
                 states = [s.sampler for s in completed]
                 tokens = sample_rows(rows, states)
                 logprobs = chosen_logprobs(rows, tokens, states)
-                for seq, token, logprob in zip(completed, tokens, logprobs, strict=True):
+                tops = top_alternatives(rows, states)
+                for seq, token, logprob, top in zip(completed, tokens, logprobs, tops, strict=True):
                     self._promote(seq)
-                    if self._accept(seq, token, logprob):
+                    if self._accept(seq, token, logprob, top):
                         ended.append(seq)
             record.prefill_ms = (time.perf_counter() - start) * 1000
             record.prefill_seqs = len(plan.prefill)
@@ -661,6 +679,7 @@ class StaticEngine(GenerationEngine):
         clock = {"start": time.perf_counter(), "last": time.perf_counter(), "steps": 0}
         # The sampler hook sees the logits; the stopping hook accepts the tokens a moment later.
         step_logprobs: list[float] = [0.0] * len(batch)
+        step_tops: list[list[tuple[int, float]]] = [[] for _ in batch]
 
         class RowSampler(LogitsProcessor):
             def __call__(self, input_ids: Any, scores: Any) -> Any:
@@ -673,7 +692,9 @@ class StaticEngine(GenerationEngine):
                         token = sample_one(scores[row], seq.sampler)
                     forced[row, token] = 0.0
                     chosen.append(token)
-                step_logprobs[:] = chosen_logprobs(scores, chosen, [s.sampler for s in batch])
+                states = [s.sampler for s in batch]
+                step_logprobs[:] = chosen_logprobs(scores, chosen, states)
+                step_tops[:] = top_alternatives(scores, states)
                 return forced
 
         class RowStopper(StoppingCriteria):
@@ -691,7 +712,9 @@ class StaticEngine(GenerationEngine):
                     if reason is not None:
                         engine._finish_now(seq, reason)
                         done[row] = True
-                    elif engine._accept(seq, int(input_ids[row, -1]), step_logprobs[row]):
+                    elif engine._accept(
+                        seq, int(input_ids[row, -1]), step_logprobs[row], step_tops[row]
+                    ):
                         done[row] = True
                 engine._record(
                     StepRecord(

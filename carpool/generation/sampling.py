@@ -15,6 +15,8 @@ from typing import Any
 # Temperatures below this are treated as greedy: dividing logits by ~0 overflows, and the
 # distribution is a point mass on the argmax anyway.
 GREEDY_TEMPERATURE = 1e-5
+# Most alternatives a sequence may ask for with each token (OpenAI's chat limit).
+MAX_TOP_LOGPROBS = 20
 
 
 @dataclass(frozen=True)
@@ -28,6 +30,9 @@ class SamplingParams:
     seed: int | None = None
     # Keep generating past end-of-sequence tokens (benchmarks need exact output lengths).
     ignore_eos: bool = False
+    # How many of the most likely tokens to report beside each sampled one (OpenAI's
+    # top_logprobs); 0 reports only the sampled token's logprob, which is always computed.
+    top_logprobs: int = 0
 
     def __post_init__(self) -> None:
         if self.max_tokens < 1:
@@ -38,6 +43,10 @@ class SamplingParams:
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
         if any(not s for s in self.stop):
             raise ValueError("stop sequences must be non-empty strings")
+        if not 0 <= self.top_logprobs <= MAX_TOP_LOGPROBS:
+            raise ValueError(
+                f"top_logprobs must be in [0, {MAX_TOP_LOGPROBS}], got {self.top_logprobs}"
+            )
 
     @property
     def greedy(self) -> bool:
@@ -93,6 +102,35 @@ def chosen_logprobs(logits: Any, tokens: list[int], states: list[SamplerState]) 
     index = torch.tensor(tokens, dtype=torch.long, device=logits.device)[:, None]
     picked = scaled.gather(1, index).squeeze(1) - torch.logsumexp(scaled, dim=-1)
     return picked.tolist()
+
+
+def top_alternatives(logits: Any, states: list[SamplerState]) -> list[list[tuple[int, float]]]:
+    """Each row's ``top_logprobs`` most likely tokens, best first, as (token, logprob).
+
+    Under the same distribution as ``chosen_logprobs`` (after temperature), so the sampled
+    token's entry, when it is among them, carries the same value. Rows that ask for none get
+    ``[]``; when no row asks, nothing is computed, so the common case costs nothing.
+    """
+    wanted = [s.params.top_logprobs for s in states]
+    k = max(wanted, default=0)
+    if k == 0:
+        return [[] for _ in states]
+    import torch
+
+    rows = [i for i, n in enumerate(wanted) if n > 0]
+    temps = torch.tensor(
+        [1.0 if states[i].params.greedy else states[i].params.temperature for i in rows],
+        dtype=torch.float32,
+        device=logits.device,
+    )
+    index = torch.tensor(rows, dtype=torch.long, device=logits.device)
+    logp = torch.log_softmax(logits.index_select(0, index).float() / temps[:, None], dim=-1)
+    values, ids = torch.topk(logp, min(k, logp.shape[-1]), dim=-1)
+    out: list[list[tuple[int, float]]] = [[] for _ in states]
+    for j, (row_values, row_ids) in enumerate(zip(values.tolist(), ids.tolist(), strict=True)):
+        n = wanted[rows[j]]
+        out[rows[j]] = list(zip(row_ids[:n], row_values[:n], strict=True))
+    return out
 
 
 def sample_one(logits: Any, state: SamplerState) -> int:

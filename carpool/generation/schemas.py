@@ -1,9 +1,11 @@
 """Wire formats of ``/generate``: OpenAI-compatible completions and chat completions.
 
 Requests forbid unknown fields, so a typo or an unsupported OpenAI option fails with a
-message naming it instead of being silently ignored. Options OpenAI clients send with
-neutral defaults (``n: 1``, penalties of 0, ``logprobs: false``...) are accepted at those
-values and refused otherwise, with a message saying what to change.
+message naming it instead of being silently ignored. OpenAI fields carpool cannot honour
+(``tools``, ``response_format`` other than text, ``logit_bias``, non-zero penalties...) are
+declared so their 400 says what to change; ``null`` and neutral values (``n: 1``, penalties
+of 0, ``tool_choice: "none"``) are accepted, as OpenAI and vLLM accept them. ``logprobs``
+and ``top_logprobs`` are honoured.
 
 ``GenerationCall`` is the internal request an ingress sends to a generator replica (plain
 text; the replica owns the tokenizer and the chat template).
@@ -13,10 +15,11 @@ from __future__ import annotations
 
 import time
 import uuid
-from typing import Any, Literal
+from typing import Any, ClassVar, Literal
 
-from pydantic import BaseModel, Field, field_validator, model_validator
+from pydantic import BaseModel, Field, ValidationInfo, field_validator, model_validator
 
+from carpool.generation.logprobs import MAX_CHAT_TOP_LOGPROBS, MAX_COMPLETION_LOGPROBS
 from carpool.schemas import WireRequest
 
 # Hard caps on what one request may describe; deployments apply their own, lower limits.
@@ -40,8 +43,64 @@ class StreamOptions(_Request):
     )
 
 
+def _neutral(name: str, value: Any) -> bool:
+    """True when a refused field's value asks for what carpool does anyway."""
+    if value is None or value == [] or value == {}:
+        return True
+    return {
+        "tool_choice": value == "none",
+        "response_format": value == {"type": "text"},
+        "modalities": value == ["text"],
+        "store": value is False,
+        "service_tier": value in ("auto", "default"),
+        "top_k": value in (-1, 0),
+        "min_p": value == 0,
+        "repetition_penalty": value == 1,
+        "min_tokens": value == 0,
+        "suffix": value == "",
+        "best_of": value == 1,
+        "echo": value is False,
+    }.get(name, False)
+
+
+# OpenAI (and vLLM) fields carpool cannot honour, each with what to change. They are declared
+# (not left to ``extra="forbid"``) so the 400 says why and what to do, and ``null`` or a
+# neutral value (``tool_choice: "none"``, ``response_format: {"type": "text"}``...) passes.
+UNSUPPORTED_SHARED = {
+    "logit_bias": "logit_bias is not supported; remove it",
+    "top_k": "top_k is not supported (sampling is temperature and top_p only); remove it or "
+    "send -1",
+    "min_p": "min_p is not supported (sampling is temperature and top_p only); remove it or send 0",
+    "repetition_penalty": "repetition_penalty is not supported; remove it or send 1",
+    "min_tokens": "min_tokens is not supported; remove it or send 0 (ignore_eos: true with "
+    "max_tokens gives an exact length)",
+    "response_format": "structured output is not supported: the model answers free text; "
+    'remove response_format or send {"type": "text"}',
+    "service_tier": "service_tier is not supported; remove it",
+    "store": "stored completions are not supported; remove store or send false",
+    "metadata": "metadata is only kept with stored completions, which are not supported; remove it",
+}
+UNSUPPORTED_CHAT = {
+    "tools": "tool calling is not supported; remove tools (describe the tool in a message "
+    "and parse the answer yourself)",
+    "tool_choice": 'tool calling is not supported; remove tool_choice or send "none"',
+    "functions": "function calling is not supported; remove functions",
+    "function_call": 'function calling is not supported; remove function_call or send "none"',
+    "audio": "audio output is not supported; remove audio",
+    "modalities": 'only text output is supported; remove modalities or send ["text"]',
+    "prediction": "predicted outputs are not supported; remove prediction",
+    "reasoning_effort": "these models do not reason in hidden steps; remove reasoning_effort",
+    "web_search_options": "web search is not supported; remove web_search_options",
+}
+UNSUPPORTED_COMPLETION = {
+    "echo": "echo is not supported; remove it or set it to false",
+    "best_of": "best_of is not supported; remove it or set it to 1 (use n for several choices)",
+    "suffix": "suffix (fill-in-the-middle) is not supported; remove it",
+}
+
+
 class _SamplingFields(_Request):
-    """Fields completions and chat share."""
+    """Fields completions and chat share. ``null`` means the default, as in OpenAI's API."""
 
     model: str | None = Field(
         default=None,
@@ -54,8 +113,8 @@ class _SamplingFields(_Request):
     top_p: float | None = Field(
         default=None, gt=0.0, le=1.0, description="Nucleus sampling mass; default 1.0."
     )
-    n: int = Field(default=1, ge=1, le=MAX_N, description="Choices per prompt.")
-    stream: bool = Field(default=False, description="Send tokens as server-sent events.")
+    n: int | None = Field(default=None, ge=1, le=MAX_N, description="Choices per prompt; 1.")
+    stream: bool | None = Field(default=None, description="Send tokens as server-sent events.")
     stream_options: StreamOptions | None = None
     stop: str | list[str] | None = Field(
         default=None, description=f"Up to {MAX_STOP} strings that end the generation."
@@ -67,14 +126,24 @@ class _SamplingFields(_Request):
         description="Makes sampling repeatable (each choice i uses seed + i).",
     )
     user: str | None = Field(default=None, max_length=256, description="Ignored; accepted.")
-    presence_penalty: float = Field(default=0.0, description="Only 0 is supported.")
-    frequency_penalty: float = Field(default=0.0, description="Only 0 is supported.")
-    logit_bias: dict[str, float] | None = Field(default=None, description="Not supported.")
-    ignore_eos: bool = Field(
-        default=False,
+    presence_penalty: float | None = Field(default=None, description="Only 0 is supported.")
+    frequency_penalty: float | None = Field(default=None, description="Only 0 is supported.")
+    ignore_eos: bool | None = Field(
+        default=None,
         description="carpool extension: keep generating past end-of-sequence until "
         "max_tokens (benchmarks use it for exact lengths).",
     )
+    # Refused unless null or neutral (see UNSUPPORTED_SHARED); typed Any so the refusal,
+    # not a type error, is what the client reads.
+    logit_bias: Any = Field(default=None, description="Not supported.")
+    top_k: Any = Field(default=None, description="Not supported (vLLM extension).")
+    min_p: Any = Field(default=None, description="Not supported (vLLM extension).")
+    repetition_penalty: Any = Field(default=None, description="Not supported (vLLM).")
+    min_tokens: Any = Field(default=None, description="Not supported (vLLM extension).")
+    response_format: Any = Field(default=None, description='Only {"type": "text"}.')
+    service_tier: Any = Field(default=None, description="Only null, auto or default.")
+    store: Any = Field(default=None, description="Only false.")
+    metadata: Any = Field(default=None, description="Not supported.")
 
     @field_validator("stop")
     @classmethod
@@ -91,16 +160,30 @@ class _SamplingFields(_Request):
                 )
         return value
 
+    _unsupported_fields: ClassVar[dict[str, str]] = UNSUPPORTED_SHARED
+
+    @field_validator("*")
+    @classmethod
+    def _unsupported(cls, value: Any, info: ValidationInfo) -> Any:
+        """Refuses a field carpool cannot honour; a field validator, so the 400 names it."""
+        name = info.field_name or ""
+        why = cls._unsupported_fields.get(name)
+        if why is not None and not _neutral(name, value):
+            raise ValueError(why)
+        if name in ("presence_penalty", "frequency_penalty") and value not in (None, 0):
+            raise ValueError(
+                f"{name} is {value}, but penalties are not supported; remove it or set it to 0"
+            )
+        return value
+
     @model_validator(mode="after")
-    def _unsupported(self) -> _SamplingFields:
-        for name in ("presence_penalty", "frequency_penalty"):
-            if getattr(self, name) != 0:
-                raise ValueError(f"{name} is not supported; remove it or set it to 0")
-        if self.logit_bias:
-            raise ValueError("logit_bias is not supported; remove it")
+    def _stream_options(self) -> _SamplingFields:
         if self.stream_options is not None and not self.stream:
-            raise ValueError("stream_options is only allowed with stream: true")
+            raise ValueError("stream_options is only allowed with stream: true; remove it")
         return self
+
+    def choices_per_prompt(self) -> int:
+        return self.n or 1
 
     def stop_list(self) -> list[str]:
         return [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
@@ -112,14 +195,37 @@ class _SamplingFields(_Request):
 class CompletionRequest(_SamplingFields):
     """``POST /generate/v1/completions``."""
 
+    _unsupported_fields: ClassVar[dict[str, str]] = {
+        **UNSUPPORTED_SHARED,
+        **UNSUPPORTED_COMPLETION,
+    }
+
     prompt: str | list[str] = Field(description="A prompt, or a list of prompts.")
     max_tokens: int | None = Field(
         default=None, ge=1, le=MAX_TOKENS_HARD, description="Most tokens to generate."
     )
-    echo: bool = Field(default=False, description="Only false is supported.")
-    logprobs: int | None = Field(default=None, description="Not supported.")
-    best_of: int | None = Field(default=None, description="Only 1 is supported.")
-    suffix: str | None = Field(default=None, description="Not supported.")
+    logprobs: int | None = Field(
+        default=None,
+        ge=0,
+        le=MAX_COMPLETION_LOGPROBS,
+        description="Return each token's logprob and this many most likely alternatives "
+        f"(0 to {MAX_COMPLETION_LOGPROBS}); null returns none.",
+    )
+    echo: Any = Field(default=None, description="Only false is supported.")
+    best_of: Any = Field(default=None, description="Only 1 is supported.")
+    suffix: Any = Field(default=None, description="Not supported.")
+
+    @field_validator("prompt", mode="before")
+    @classmethod
+    def _text_prompts(cls, value: Any) -> Any:
+        """Token-id prompts get a message saying so, not pydantic's type dump."""
+        items = value if isinstance(value, list) else [value]
+        if any(isinstance(i, (int, list)) for i in items):
+            raise ValueError(
+                "prompt as token ids is not supported; send the prompt as text (a string or "
+                "a list of strings)"
+            )
+        return value
 
     @field_validator("prompt")
     @classmethod
@@ -137,18 +243,6 @@ class CompletionRequest(_SamplingFields):
                     f"prompt[{i}] has {len(text)} characters; send at most {MAX_PROMPT_CHARS}"
                 )
         return value
-
-    @model_validator(mode="after")
-    def _completion_only(self) -> CompletionRequest:
-        if self.echo:
-            raise ValueError("echo is not supported; remove it or set it to false")
-        if self.logprobs:
-            raise ValueError("logprobs is not supported; remove it")
-        if self.best_of not in (None, 1):
-            raise ValueError("best_of is not supported; remove it or set it to 1")
-        if self.suffix:
-            raise ValueError("suffix is not supported; remove it")
-        return self
 
     def prompts(self) -> list[str]:
         return [self.prompt] if isinstance(self.prompt, str) else list(self.prompt)
@@ -176,6 +270,8 @@ class ChatMessage(_Request):
 class ChatCompletionRequest(_SamplingFields):
     """``POST /generate/v1/chat/completions``."""
 
+    _unsupported_fields: ClassVar[dict[str, str]] = {**UNSUPPORTED_SHARED, **UNSUPPORTED_CHAT}
+
     messages: list[ChatMessage] = Field(description="The conversation so far.")
     max_tokens: int | None = Field(
         default=None, ge=1, le=MAX_TOKENS_HARD, description="Most tokens to generate."
@@ -183,9 +279,27 @@ class ChatCompletionRequest(_SamplingFields):
     max_completion_tokens: int | None = Field(
         default=None, ge=1, le=MAX_TOKENS_HARD, description="Same as max_tokens (newer name)."
     )
-    logprobs: bool | None = Field(default=None, description="Only false is supported.")
-    top_logprobs: int | None = Field(default=None, description="Not supported.")
-    parallel_tool_calls: bool | None = Field(default=None, description="Ignored; accepted.")
+    logprobs: bool | None = Field(
+        default=None, description="Return each output token's logprob (in choice.logprobs)."
+    )
+    top_logprobs: int | None = Field(
+        default=None,
+        ge=0,
+        le=MAX_CHAT_TOP_LOGPROBS,
+        description="With logprobs: true, this many most likely alternatives per token.",
+    )
+    parallel_tool_calls: bool | None = Field(
+        default=None, description="Accepted; means nothing without tools."
+    )
+    tools: Any = Field(default=None, description="Not supported.")
+    tool_choice: Any = Field(default=None, description='Only "none".')
+    functions: Any = Field(default=None, description="Not supported.")
+    function_call: Any = Field(default=None, description="Not supported.")
+    audio: Any = Field(default=None, description="Not supported.")
+    modalities: Any = Field(default=None, description='Only ["text"].')
+    prediction: Any = Field(default=None, description="Not supported.")
+    reasoning_effort: Any = Field(default=None, description="Not supported.")
+    web_search_options: Any = Field(default=None, description="Not supported.")
 
     @field_validator("messages")
     @classmethod
@@ -203,8 +317,11 @@ class ChatCompletionRequest(_SamplingFields):
 
     @model_validator(mode="after")
     def _chat_only(self) -> ChatCompletionRequest:
-        if self.logprobs or self.top_logprobs:
-            raise ValueError("logprobs is not supported; remove logprobs and top_logprobs")
+        if self.top_logprobs and not self.logprobs:
+            raise ValueError(
+                f"top_logprobs is {self.top_logprobs} but logprobs is not true; send "
+                "logprobs: true with it, or remove top_logprobs"
+            )
         if (
             self.max_tokens is not None
             and self.max_completion_tokens is not None
@@ -219,6 +336,10 @@ class ChatCompletionRequest(_SamplingFields):
     def token_limit(self) -> int | None:
         return self.max_completion_tokens or self.max_tokens
 
+    def logprobs_asked(self) -> int | None:
+        """Alternatives per token when logprobs are asked for, else None."""
+        return (self.top_logprobs or 0) if self.logprobs else None
+
 
 class GenerationCall(BaseModel):
     """What an ingress sends a generator replica: text in, sampling knobs, no HTTP."""
@@ -232,13 +353,17 @@ class GenerationCall(BaseModel):
     stop: list[str] = Field(default_factory=list)
     seed: int | None = None
     ignore_eos: bool = False
+    # None: no logprobs; k: each token's logprob and its k most likely alternatives.
+    logprobs: int | None = None
     # From the HTTP request's x-carpool-deadline-ms / x-carpool-priority headers.
     deadline: float | None = None  # time.time() seconds
     priority: Literal["interactive", "batch"] = "interactive"
 
     @classmethod
     def from_completion(cls, body: CompletionRequest) -> GenerationCall:
-        return cls(prompts=body.prompts(), **_sampling(body, body.max_tokens))
+        return cls(
+            prompts=body.prompts(), logprobs=body.logprobs, **_sampling(body, body.max_tokens)
+        )
 
     @classmethod
     def from_chat(cls, body: ChatCompletionRequest) -> GenerationCall:
@@ -248,18 +373,22 @@ class GenerationCall(BaseModel):
             if m.name:
                 message["name"] = m.name
             messages.append(message)
-        return cls(messages=messages, **_sampling(body, body.token_limit()))
+        return cls(
+            messages=messages,
+            logprobs=body.logprobs_asked(),
+            **_sampling(body, body.token_limit()),
+        )
 
 
 def _sampling(body: _SamplingFields, max_tokens: int | None) -> dict[str, Any]:
     return {
-        "n": body.n,
+        "n": body.choices_per_prompt(),
         "max_tokens": max_tokens,
         "temperature": 1.0 if body.temperature is None else body.temperature,
         "top_p": 1.0 if body.top_p is None else body.top_p,
         "stop": body.stop_list(),
         "seed": body.seed,
-        "ignore_eos": body.ignore_eos,
+        "ignore_eos": bool(body.ignore_eos),
     }
 
 
@@ -284,7 +413,7 @@ class CompletionChoice(BaseModel):
     index: int
     text: str
     finish_reason: str | None = None
-    logprobs: None = None
+    logprobs: dict[str, Any] | None = None
 
 
 class CompletionResponse(BaseModel):
@@ -305,7 +434,7 @@ class ChatChoice(BaseModel):
     index: int
     message: ChatMessageOut
     finish_reason: str | None = None
-    logprobs: None = None
+    logprobs: dict[str, Any] | None = None
 
 
 class ChatCompletionResponse(BaseModel):
@@ -326,7 +455,7 @@ class ChatChunkChoice(BaseModel):
     index: int
     delta: ChatDelta
     finish_reason: str | None = None
-    logprobs: None = None
+    logprobs: dict[str, Any] | None = None
 
 
 class ChatCompletionChunk(BaseModel):

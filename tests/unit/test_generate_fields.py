@@ -1,0 +1,384 @@
+"""``/generate`` request fields (issue 15): null accepted, the unsupported refused by name,
+``logprobs`` / ``top_logprobs`` honoured in OpenAI's shapes, streamed and not.
+
+No Ray: request models, the sampler on hand-made logits, and the plain generator server on
+a tiny random Llama, with the ingress's own chunk formatters applied to its stream.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import math
+from typing import Any
+
+import pytest
+from pydantic import ValidationError
+
+from carpool.errors import RequestError
+from carpool.generation.logprobs import chat_logprobs, completion_logprobs
+from carpool.generation.sampling import SamplerState, SamplingParams, top_alternatives
+from carpool.generation.schemas import ChatCompletionRequest, CompletionRequest, GenerationCall
+from carpool.http import _describe_validation_error
+
+MESSAGES = [{"role": "user", "content": "What is the capital of France?"}]
+
+
+def _chat(**fields: Any) -> ChatCompletionRequest:
+    return ChatCompletionRequest.model_validate({"messages": MESSAGES, **fields})
+
+
+def _refusal(cls: type, **fields: Any) -> tuple[str, str | None]:
+    """The 400's message and param for a body, as the ingress's error handler words them."""
+    with pytest.raises(ValidationError) as info:
+        cls.model_validate(fields)
+    return _describe_validation_error(info.value.errors()[0])
+
+
+# --- null and neutral values ------------------------------------------------------------
+
+NULLS = {
+    "model": None,
+    "temperature": None,
+    "top_p": None,
+    "n": None,
+    "stream": None,
+    "stream_options": None,
+    "stop": None,
+    "seed": None,
+    "user": None,
+    "presence_penalty": None,
+    "frequency_penalty": None,
+    "logit_bias": None,
+    "ignore_eos": None,
+}
+
+
+def test_null_optional_fields_mean_openai_defaults() -> None:
+    chat = GenerationCall.from_chat(
+        _chat(
+            **NULLS,
+            max_tokens=None,
+            max_completion_tokens=None,
+            logprobs=None,
+            top_logprobs=None,
+            tools=None,
+            tool_choice=None,
+            response_format=None,
+            parallel_tool_calls=None,
+        )
+    )
+    completion = GenerationCall.from_completion(
+        CompletionRequest.model_validate(
+            {"prompt": "a", **NULLS, "logprobs": None, "echo": None, "best_of": None}
+        )
+    )
+    for call in (chat, completion):
+        assert call.n == 1
+        assert call.temperature == 1.0 and call.top_p == 1.0
+        assert call.stop == [] and call.seed is None
+        assert call.ignore_eos is False
+        assert call.logprobs is None
+    assert _chat(stream=None).stream is None  # not streamed
+
+
+@pytest.mark.parametrize(
+    "fields",
+    [
+        {"presence_penalty": 0, "frequency_penalty": 0.0},
+        {"tool_choice": "none"},
+        {"response_format": {"type": "text"}},
+        {"logit_bias": {}},
+        {"top_k": -1, "min_p": 0, "repetition_penalty": 1, "min_tokens": 0},
+        {"store": False, "modalities": ["text"], "service_tier": "auto"},
+        {"logprobs": False, "top_logprobs": 0},
+    ],
+)
+def test_neutral_values_of_unsupported_fields_are_accepted(fields: dict[str, Any]) -> None:
+    _chat(**fields)
+
+
+@pytest.mark.parametrize(
+    ("fields", "param", "hint"),
+    [
+        ({"presence_penalty": 0.5}, "presence_penalty", "set it to 0"),
+        ({"frequency_penalty": -1}, "frequency_penalty", "set it to 0"),
+        ({"logit_bias": {"50256": -100}}, "logit_bias", "remove it"),
+        ({"tools": [{"type": "function", "function": {"name": "f"}}]}, "tools", "remove tools"),
+        ({"tool_choice": "required"}, "tool_choice", '"none"'),
+        ({"response_format": {"type": "json_object"}}, "response_format", '"text"'),
+        ({"response_format": {"type": "json_schema"}}, "response_format", "remove"),
+        ({"top_k": 40}, "top_k", "send -1"),
+        ({"min_p": 0.1}, "min_p", "send 0"),
+        ({"repetition_penalty": 1.2}, "repetition_penalty", "send 1"),
+        ({"min_tokens": 5}, "min_tokens", "send 0"),
+        ({"functions": [{"name": "f"}]}, "functions", "remove"),
+        ({"audio": {"voice": "alloy"}}, "audio", "remove"),
+        ({"reasoning_effort": "low"}, "reasoning_effort", "remove"),
+        ({"top_logprobs": 25, "logprobs": True}, "top_logprobs", "20"),
+    ],
+)
+def test_chat_refuses_what_it_cannot_honour_by_name(
+    fields: dict[str, Any], param: str, hint: str
+) -> None:
+    message, where = _refusal(ChatCompletionRequest, messages=MESSAGES, **fields)
+    assert where == param
+    assert param in message and hint in message
+
+
+def test_top_logprobs_needs_logprobs_true() -> None:
+    message, _ = _refusal(ChatCompletionRequest, messages=MESSAGES, top_logprobs=2)
+    assert "logprobs: true" in message
+
+
+@pytest.mark.parametrize(
+    ("fields", "param", "hint"),
+    [
+        ({"echo": True}, "echo", "false"),
+        ({"best_of": 3}, "best_of", "set it to 1"),
+        ({"suffix": "end"}, "suffix", "remove"),
+        ({"logprobs": 6}, "logprobs", "5"),
+        ({"prompt": [1, 2, 3]}, "prompt", "as text"),
+        ({"prompt": [[1, 2]]}, "prompt", "as text"),
+        ({"presence_penalty": 2}, "presence_penalty", "set it to 0"),
+        ({"logit_bias": {"1": 5}}, "logit_bias", "remove"),
+    ],
+)
+def test_completions_refuse_what_they_cannot_honour_by_name(
+    fields: dict[str, Any], param: str, hint: str
+) -> None:
+    message, where = _refusal(CompletionRequest, **{"prompt": "a", **fields})
+    assert where == param
+    assert param in message and hint in message
+
+
+def test_unknown_fields_are_still_refused_by_name() -> None:
+    message, where = _refusal(ChatCompletionRequest, messages=MESSAGES, temprature=0.2)
+    assert where == "temprature" and "remove it" in message
+
+
+def test_logprobs_reach_the_generation_call() -> None:
+    assert GenerationCall.from_chat(_chat(logprobs=True)).logprobs == 0
+    assert GenerationCall.from_chat(_chat(logprobs=True, top_logprobs=3)).logprobs == 3
+    assert GenerationCall.from_chat(_chat(logprobs=False, top_logprobs=0)).logprobs is None
+    completion = CompletionRequest.model_validate({"prompt": "a", "logprobs": 2})
+    assert GenerationCall.from_completion(completion).logprobs == 2
+
+
+def test_streamed_auto_logprobs_are_refused_not_dropped() -> None:
+    from pipelines.generate import check_logprobs_route
+
+    with pytest.raises(RequestError) as info:
+        check_logprobs_route("auto", True, 0)
+    assert info.value.status_code == 400 and "'small'" in info.value.message
+    check_logprobs_route("auto", False, 0)
+    check_logprobs_route("small", True, 3)
+    check_logprobs_route("auto", True, None)
+
+
+# --- the sampler's alternatives ---------------------------------------------------------
+
+
+def test_top_alternatives_are_the_best_tokens_under_the_sampled_distribution() -> None:
+    import torch
+
+    torch.manual_seed(1)
+    logits = torch.randn(3, 50)
+    states = [
+        SamplerState(SamplingParams(temperature=0.0, top_logprobs=4)),
+        SamplerState(SamplingParams(temperature=0.5, top_logprobs=2)),
+        SamplerState(SamplingParams(temperature=1.0)),
+    ]
+    tops = top_alternatives(logits, states)
+    greedy = torch.log_softmax(logits[0], -1)
+    expected0 = torch.topk(greedy, 4)
+    assert [t for t, _ in tops[0]] == expected0.indices.tolist()
+    assert [lp for _, lp in tops[0]] == pytest.approx(expected0.values.tolist(), abs=1e-6)
+    warm = torch.log_softmax(logits[1] / 0.5, -1)
+    assert [t for t, _ in tops[1]] == torch.topk(warm, 2).indices.tolist()
+    assert tops[1][0][1] == pytest.approx(float(warm.max()), abs=1e-6)
+    assert tops[2] == []
+    # Nobody asking costs nothing and returns nothing.
+    assert top_alternatives(logits, states[2:]) == [[]]
+
+
+# --- the generator server, end to end on a tiny model -------------------------------------
+
+
+@pytest.fixture(scope="module")
+def server() -> Any:
+    import torch
+    from transformers import LlamaForCausalLM
+
+    from deployments.generator import GeneratorServer
+    from tests.factories import llama_tokenizer, tiny_llama_config
+
+    tokenizer = llama_tokenizer()
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(tiny_llama_config(tokenizer, initializer_range=0.5)).eval()
+    srv = GeneratorServer(
+        {
+            "limits": {"max_seq_len": 256},
+            "batching": {"max_num_seqs": 4, "batch_wait_timeout_s": 0.0},
+        },
+        model=model,
+        tokenizer=tokenizer,
+    )
+    yield srv
+    srv.close()
+
+
+def _call(**fields: Any) -> dict[str, Any]:
+    return {
+        "messages": MESSAGES,
+        "max_tokens": 6,
+        "temperature": 0.0,
+        "ignore_eos": True,
+        **fields,
+    }
+
+
+def _reference(server: Any, ids: list[int]) -> list[float]:
+    """log_softmax of one unbatched forward at each output token."""
+    import torch
+
+    text = server.tokenizer.apply_chat_template(
+        MESSAGES, tokenize=False, add_generation_prompt=True
+    )
+    prompt = server.tokenizer(text, add_special_tokens=False)["input_ids"]
+    with torch.no_grad():
+        logits = server.model(torch.tensor([prompt + ids])).logits[0].float()
+    logp = torch.log_softmax(logits, -1)
+    return [float(logp[len(prompt) - 1 + k, t]) for k, t in enumerate(ids)]
+
+
+def test_generate_returns_each_tokens_logprob_and_alternatives(server: Any) -> None:
+    result = asyncio.run(server.generate(_call(logprobs=3)))
+    choice = result["choices"][0]
+    record = choice["logprobs"]
+    assert len(record["tokens"]) == result["completion_tokens"] == 6
+    assert record["token_logprobs"] == pytest.approx(
+        _reference(server, result["token_ids"]), abs=1e-4
+    )
+    decoded = [server.tokenizer.decode([t]) for t in result["token_ids"]]
+    assert record["tokens"] == decoded
+    for token, logprob, top in zip(
+        record["tokens"], record["token_logprobs"], record["top_logprobs"], strict=True
+    ):
+        assert len(top) == 3
+        values = [lp for _, lp in top]
+        assert values == sorted(values, reverse=True)
+        # Greedy: the sampled token is the best alternative, with the same logprob.
+        assert top[0][0] == token and top[0][1] == pytest.approx(logprob, abs=1e-5)
+
+    chat = chat_logprobs(record)["content"]
+    assert [c["token"] for c in chat] == decoded
+    assert chat[0]["bytes"] == list(decoded[0].encode("utf-8"))
+    assert len(chat[0]["top_logprobs"]) == 3 and chat[0]["top_logprobs"][0]["token"] == decoded[0]
+
+    legacy = completion_logprobs(record)
+    assert legacy["tokens"] == decoded
+    assert legacy["text_offset"][0] == 0
+    assert legacy["text_offset"][-1] == sum(len(t) for t in decoded[:-1])
+    assert all(decoded[i] in legacy["top_logprobs"][i] for i in range(6))
+
+
+def test_without_logprobs_the_choices_carry_none(server: Any) -> None:
+    result = asyncio.run(server.generate(_call()))
+    assert "logprobs" not in result["choices"][0]
+
+
+def test_logprobs_of_sampled_choices_are_finite_per_choice(server: Any) -> None:
+    result = asyncio.run(server.generate(_call(n=2, temperature=0.9, seed=5, logprobs=0)))
+    for choice in result["choices"]:
+        record = choice["logprobs"]
+        assert len(record["token_logprobs"]) == 6
+        assert all(math.isfinite(lp) and lp <= 0 for lp in record["token_logprobs"])
+        assert record["top_logprobs"] == [[]] * 6
+
+
+async def _stream(server: Any, call: dict[str, Any]) -> list[dict[str, Any]]:
+    return [event async for event in server.stream(call)]
+
+
+def _formatters() -> tuple[Any, Any]:
+    """The ingress's own chunk formatters (they use nothing of the instance)."""
+    from pipelines.generate import GenerateIngress
+
+    return (
+        GenerateIngress._chat_chunks(None, "small", 1, False),
+        GenerateIngress._completion_chunks(None, "small", False),
+    )
+
+
+def test_streamed_logprobs_match_the_whole_answer(server: Any) -> None:
+    whole = asyncio.run(server.generate(_call(logprobs=2)))["choices"][0]["logprobs"]
+    events = asyncio.run(_stream(server, _call(logprobs=2)))
+    chat_fmt, completion_fmt = _formatters()
+
+    chat_chunks = [chunk for event in events for chunk in chat_fmt(event)]
+    content = [
+        entry
+        for chunk in chat_chunks
+        for choice in chunk["choices"]
+        if choice["logprobs"] is not None
+        for entry in choice["logprobs"]["content"]
+    ]
+    assert [c["token"] for c in content] == whole["tokens"]
+    assert [c["logprob"] for c in content] == pytest.approx(whole["token_logprobs"], abs=1e-5)
+    assert all(len(c["top_logprobs"]) == 2 for c in content)
+
+    legacy = [
+        choice["logprobs"]
+        for event in events
+        for chunk in completion_fmt(event)
+        for choice in chunk["choices"]
+        if choice["logprobs"] is not None
+    ]
+    tokens = [t for lp in legacy for t in lp["tokens"]]
+    offsets = [o for lp in legacy for o in lp["text_offset"]]
+    assert tokens == whole["tokens"]
+    assert offsets == completion_logprobs(whole)["text_offset"]  # continues across chunks
+
+
+def test_streams_without_logprobs_carry_none(server: Any) -> None:
+    events = asyncio.run(_stream(server, _call()))
+    chat_fmt, _ = _formatters()
+    chunks = [chunk for event in events for chunk in chat_fmt(event)]
+    assert chunks and all(c["logprobs"] is None for chunk in chunks for c in chunk["choices"])
+    assert all("logprobs" not in e for e in events)
+
+
+def test_static_engine_reports_alternatives_too() -> None:
+    import threading
+
+    import torch
+    from transformers import LlamaForCausalLM
+
+    from carpool.generation.engine import GenSequence, SeqEvent, TokenizerInfo, make_engine
+    from carpool.generation.scheduler import SchedulerLimits
+    from tests.factories import llama_tokenizer, tiny_llama_config
+
+    tokenizer = llama_tokenizer()
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(tiny_llama_config(tokenizer, initializer_range=0.5)).eval()
+    engine = make_engine(
+        "static", model, TokenizerInfo.from_tokenizer(tokenizer), SchedulerLimits(2, 256), 256
+    )
+    events: list[SeqEvent] = []
+    done = threading.Event()
+
+    def sink(event: SeqEvent) -> None:
+        events.append(event)
+        if event.finish_reason:
+            done.set()
+
+    params = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True, top_logprobs=2)
+    try:
+        engine.submit([GenSequence(tokenizer("hello there")["input_ids"], params, sink)])
+        assert done.wait(60)
+    finally:
+        engine.close()
+    tokens = [t for e in events for t in e.token_ids]
+    tops = [top for e in events for top in e.top_logprobs]
+    assert len(tops) == len(tokens) == 4
+    assert all(len(top) == 2 and top[0][0] == t for top, t in zip(tops, tokens, strict=True))
