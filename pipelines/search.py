@@ -5,6 +5,7 @@ deployments of the ``embed`` and ``rank`` apps, reached by name, so every pipeli
 set of model replicas and their batches.
 """
 
+import time
 from typing import Any
 
 from fastapi.responses import JSONResponse
@@ -26,6 +27,8 @@ from carpool.http import (
 from carpool.schemas import (
     IngestRequest,
     IngestResponse,
+    ModelCard,
+    ModelList,
     SearchHit,
     SearchRequest,
     SearchResponse,
@@ -132,6 +135,8 @@ class SearchIngress(DocumentRoutes):
         apply_ingress_defaults(api, self.args.ingress.default_deadline_ms)
         self.retriever = retriever
         self._ranker: DeploymentHandle | None = None
+        # OpenAI's `created` on the model card: when this app started.
+        self.created = int(time.time())
 
     def ranker(self) -> DeploymentHandle:
         if self._ranker is None:
@@ -159,6 +164,14 @@ class SearchIngress(DocumentRoutes):
     @api.delete("/v1/documents/{doc_id}")
     async def delete_document(self, doc_id: str) -> dict[str, Any]:
         return await self.delete_doc(doc_id)
+
+    @api.get("/v1/models", response_model=ModelList)
+    async def models(self) -> ModelList:
+        """What this app serves: the search pipeline itself, under its app name.
+
+        Its embedder and ranker belong to the embed and rank apps and are listed there.
+        """
+        return ModelList(data=[ModelCard(id=self.args.app_name, created=self.created)])
 
     @api.get("/healthz")
     async def healthz(self) -> dict[str, str]:

@@ -623,3 +623,20 @@ def test_truncation_is_exact_while_other_requests_tokenize(tiny: dict[str, str])
         for w in workers:
             w.join()
     assert all(r == expected for r in results)
+
+
+def test_search_app_lists_itself_with_created() -> None:
+    import asyncio
+    import time
+
+    from pipelines.search import SearchIngress, api
+
+    assert "get" in api.openapi()["paths"]["/v1/models"]
+    original = SearchIngress.__mro__[1]  # the class under @serve.ingress's wrapper
+    before = int(time.time())
+    ingress = original(retriever=None, args={"app_name": "docs-search"})
+    cards = asyncio.run(ingress.models()).model_dump()
+    assert cards["object"] == "list"
+    assert [c["id"] for c in cards["data"]] == ["docs-search"]
+    assert cards["data"][0]["object"] == "model"
+    assert before <= cards["data"][0]["created"] <= int(time.time())
