@@ -92,8 +92,27 @@ def _describe_validation_error(err: dict[str, Any]) -> tuple[str, str | None]:
     return f"{where}: {msg}", where
 
 
+# How much of an over-limit body is read and thrown away before the 413, at most: enough
+# that a client sending a body somewhat over the limit reads its answer instead of a reset,
+# small enough that a client streaming without end costs bounded work.
+DRAIN_LIMIT_FACTOR = 4
+DRAIN_LIMIT_CAP = 64 << 20
+
+
+def drain_bound(max_bytes: int) -> int:
+    """Bytes of an over-limit body read and discarded before answering 413 (then close)."""
+    return min(DRAIN_LIMIT_FACTOR * max_bytes, DRAIN_LIMIT_CAP)
+
+
 class BodySizeLimit:
-    """ASGI middleware: refuse bodies over ``max_bytes`` with 413 before reading them whole."""
+    """ASGI middleware: refuse bodies over ``max_bytes`` with 413 before reading them whole.
+
+    The refused body is read and discarded, up to ``drain_bound``, before the 413 goes out
+    (nginx's lingering close). Answering first and closing with the body unread makes the
+    kernel reset the connection, and a client still sending (Python's urllib) then sees
+    ``Connection reset by peer`` and never the 413. Past the bound the server answers and
+    closes anyway: a reset is then the client's cost, not an unbounded read.
+    """
 
     def __init__(self, app: Any, max_bytes: int) -> None:
         self.app = app
@@ -110,6 +129,7 @@ class BodySizeLimit:
                 except ValueError:
                     declared = 0
                 if declared > self.max_bytes:
+                    await self._drain(receive, 0)
                     await self._refuse(scope, receive, send)
                     return
         received = 0
@@ -120,6 +140,10 @@ class BodySizeLimit:
             if message["type"] == "http.request":
                 received += len(message.get("body", b""))
                 if received > self.max_bytes:
+                    # Drained here, not where the error is caught: FastAPI turns it into its
+                    # own 413 (see _body_error) and answers without coming back to us.
+                    if message.get("more_body", False):
+                        await self._drain(receive, received)
                     raise _BodyTooLarge
             return message
 
@@ -127,6 +151,18 @@ class BodySizeLimit:
             await self.app(scope, counted_receive, send)
         except _BodyTooLarge:
             await self._refuse(scope, receive, send)
+
+    async def _drain(self, receive: Callable, already: int) -> None:
+        """Reads and discards the rest of the body, stopping at the bound or a disconnect."""
+        bound = drain_bound(self.max_bytes)
+        total = already
+        while total <= bound:
+            message = await receive()
+            if message["type"] != "http.request":
+                return  # http.disconnect: the client left
+            total += len(message.get("body", b""))
+            if not message.get("more_body", False):
+                return
 
     async def _refuse(self, scope: dict, receive: Callable, send: Callable) -> None:
         response = error_response(
