@@ -306,6 +306,16 @@ class GeneratorServer:
     def stats(self) -> dict[str, Any]:
         return self.engine.stats()
 
+    def check_health(self) -> None:
+        """Serve's health check: raises when the engine cannot serve, so Serve replaces us.
+
+        Without it a replica whose engine thread died or hangs stays "healthy" and keeps
+        taking requests that can only time out.
+        """
+        problem = self.engine.health_problem()
+        if problem is not None:
+            raise RuntimeError(f"generator {self.name!r} is unhealthy: {problem}")
+
     def close(self) -> None:
         self.engine.close()
 
@@ -595,10 +605,24 @@ class GeneratorDeployment(GeneratorServer):
         self._collect.set_batch_wait_timeout_s(self.batching.batch_wait_timeout_s)
 
 
+def graceful_shutdown_s(config: GeneratorConfig) -> float:
+    """How long Serve lets a stopping replica finish its requests before killing it.
+
+    The longest a generation may run (``request_timeout_s``) plus the grace the async side
+    waits for the engine to report it: a redeploy or downscale then lets every running
+    stream end instead of cutting it at Serve's 20 s default.
+    """
+    return config.batching.request_timeout_s + DEADLINE_GRACE_S
+
+
 def build_generator_deployment(config: GeneratorConfig, name: str) -> Application:
     """Applies the Serve options from ``config`` and binds the deployment."""
     return (
         serve.deployment(GeneratorDeployment)
-        .options(**config.serve_options(name), user_config=config.batching.model_dump())
+        .options(
+            **config.serve_options(name),
+            user_config=config.batching.model_dump(),
+            graceful_shutdown_timeout_s=graceful_shutdown_s(config),
+        )
         .bind(config.model_dump())
     )

@@ -51,6 +51,12 @@ DECODE_CONTEXT_TOKENS = 4
 # How long an idle engine thread sleeps between checks when nothing wakes it.
 IDLE_POLL_S = 0.5
 
+# An engine with work that has not finished a step for this long is wedged (a hung device
+# call, a deadlock). A step is one forward pass over at most max_batch_tokens, seconds even
+# on CPU, so two minutes only trips on a real hang; health checks then fail and Serve
+# replaces the replica.
+STALL_S = 120.0
+
 # End-of-turn / end-of-text tokens of common chat families, added to the eos ids when the
 # vocabulary has them as tokens.
 END_TOKENS = ("<|endoftext|>", "<|im_end|>", "<|eot_id|>", "<|end|>", "<end_of_turn>")
@@ -215,6 +221,9 @@ class GenerationEngine(ABC):
         self._cond = threading.Condition()
         self._closed = False
         self._thread: threading.Thread | None = None
+        # When the engine thread last finished a scheduling round or a step (monotonic).
+        self.last_progress = time.monotonic()
+        self.stall_s = STALL_S
         self.totals = {
             "steps": 0,
             "sequences_finished": 0,
@@ -276,6 +285,28 @@ class GenerationEngine(ABC):
         if self._thread is not None:
             self._thread.join(timeout=30)
 
+    def health_problem(self) -> str | None:
+        """Why this engine cannot serve, or None: its thread died, or it stalls with work.
+
+        A thread that has not started yet (no request so far) is healthy: ``submit`` starts
+        it. One that ended while the engine is open was killed by something its loop does
+        not catch (``_run`` survives every ``Exception``), and the sequences it held will
+        never finish.
+        """
+        thread = self._thread
+        if self._closed:
+            return "the engine is closed"
+        if thread is not None and not thread.is_alive():
+            return f"the engine thread {thread.name!r} died"
+        busy = self.num_waiting() + int(self.stats().get("running", 0))
+        idle_for = time.monotonic() - self.last_progress
+        if busy and idle_for > self.stall_s:
+            return (
+                f"the engine has {busy} sequences but finished no step for {idle_for:.0f} s "
+                f"(stall limit {self.stall_s:g} s)"
+            )
+        return None
+
     @abstractmethod
     def stats(self) -> dict[str, Any]:
         """Current and cumulative figures of this engine."""
@@ -288,6 +319,7 @@ class GenerationEngine(ABC):
 
     def _ensure_thread(self) -> None:
         if self._thread is None or not self._thread.is_alive():
+            self.last_progress = time.monotonic()  # a fresh thread has not stalled yet
             self._thread = threading.Thread(
                 target=self._run, name=f"carpool-{self.mode}-engine", daemon=True
             )
@@ -305,6 +337,7 @@ class GenerationEngine(ABC):
 
         with torch.no_grad():
             while not self._closed:
+                self.last_progress = time.monotonic()
                 try:
                     self._loop_once()
                 except Exception as exc:  # never let the thread die: fail what ran, go on
@@ -412,6 +445,7 @@ class GenerationEngine(ABC):
         self._send(seq, seq._stopper.finish() if reason != "error" else "", reason, error)
 
     def _record(self, record: StepRecord) -> None:
+        self.last_progress = time.monotonic()
         self.totals["steps"] += 1
         self.totals["prefill_s"] += record.prefill_ms / 1000
         self.totals["decode_s"] += record.decode_ms / 1000
