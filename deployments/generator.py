@@ -436,6 +436,8 @@ class GeneratorServer:
                     seed=None if call.seed is None else call.seed + index,
                     ignore_eos=call.ignore_eos,
                     top_logprobs=call.logprobs or 0,
+                    presence_penalty=call.presence_penalty,
+                    frequency_penalty=call.frequency_penalty,
                 )
                 seqs.append(
                     GenSequence(

@@ -32,6 +32,7 @@ from typing import Any, Protocol
 from carpool.generation.sampling import (
     SamplerState,
     SamplingParams,
+    apply_penalties,
     chosen_logprobs,
     sample_one,
     sample_rows,
@@ -373,6 +374,7 @@ class GenerationEngine(ABC):
             seq.first_token_at = now
         seq.output_ids.append(token)
         seq._pending_ids.append(token)
+        seq.sampler.observe(token)
         if logprob is not None:
             seq.output_logprobs.append(logprob)
             seq._pending_logprobs.append(logprob)
@@ -524,8 +526,9 @@ class ContinuousEngine(GenerationEngine):
             logits = self.runner.forward(
                 0, [s.next_chunk(1) for s in seqs], [s.num_computed for s in seqs]
             )
-            tokens = sample_rows(logits, [s.sampler for s in seqs])
             states = [s.sampler for s in seqs]
+            logits = apply_penalties(logits, states)
+            tokens = sample_rows(logits, states)
             logprobs = chosen_logprobs(logits, tokens, states)
             tops = top_alternatives(logits, states)
             for seq, token, logprob, top in zip(seqs, tokens, logprobs, tops, strict=True):
@@ -552,6 +555,7 @@ class ContinuousEngine(GenerationEngine):
                 completed = [seqs[r] for r in done_rows]
                 rows = logits[done_rows]
                 states = [s.sampler for s in completed]
+                rows = apply_penalties(rows, states)
                 tokens = sample_rows(rows, states)
                 logprobs = chosen_logprobs(rows, tokens, states)
                 tops = top_alternatives(rows, states)
@@ -718,6 +722,7 @@ class StaticEngine(GenerationEngine):
         class RowSampler(LogitsProcessor):
             def __call__(self, input_ids: Any, scores: Any) -> Any:
                 forced = torch.full_like(scores, float("-inf"))
+                scores = apply_penalties(scores, [s.sampler for s in batch])
                 greedy = torch.argmax(scores, dim=-1)
                 chosen = []
                 for row, seq in enumerate(batch):

@@ -17,6 +17,8 @@ from typing import Any
 GREEDY_TEMPERATURE = 1e-5
 # Most alternatives a sequence may ask for with each token (OpenAI's chat limit).
 MAX_TOP_LOGPROBS = 20
+# OpenAI's range for presence_penalty and frequency_penalty.
+MAX_PENALTY = 2.0
 
 
 @dataclass(frozen=True)
@@ -33,6 +35,11 @@ class SamplingParams:
     # How many of the most likely tokens to report beside each sampled one (OpenAI's
     # top_logprobs); 0 reports only the sampled token's logprob, which is always computed.
     top_logprobs: int = 0
+    # OpenAI's penalties, on tokens this sequence has generated (as vLLM applies them):
+    # each logit drops by presence_penalty once the token appeared, plus frequency_penalty
+    # per time it appeared.
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
 
     def __post_init__(self) -> None:
         if self.max_tokens < 1:
@@ -43,6 +50,10 @@ class SamplingParams:
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
         if any(not s for s in self.stop):
             raise ValueError("stop sequences must be non-empty strings")
+        for name in ("presence_penalty", "frequency_penalty"):
+            value = getattr(self, name)
+            if not -MAX_PENALTY <= value <= MAX_PENALTY:
+                raise ValueError(f"{name} must be in [-{MAX_PENALTY}, {MAX_PENALTY}], got {value}")
         if not 0 <= self.top_logprobs <= MAX_TOP_LOGPROBS:
             raise ValueError(
                 f"top_logprobs must be in [0, {MAX_TOP_LOGPROBS}], got {self.top_logprobs}"
@@ -52,6 +63,10 @@ class SamplingParams:
     def greedy(self) -> bool:
         return self.temperature < GREEDY_TEMPERATURE
 
+    @property
+    def penalized(self) -> bool:
+        return self.presence_penalty != 0 or self.frequency_penalty != 0
+
 
 @dataclass
 class SamplerState:
@@ -59,6 +74,13 @@ class SamplerState:
 
     params: SamplingParams
     generator: Any = field(default=None, repr=False)
+    # How often each token was generated so far; kept only when a penalty needs it.
+    counts: dict[int, int] = field(default_factory=dict, repr=False)
+
+    def observe(self, token: int) -> None:
+        """Records a generated token (the engine calls it for every accepted token)."""
+        if self.params.penalized:
+            self.counts[token] = self.counts.get(token, 0) + 1
 
     def torch_generator(self, device: Any) -> Any:
         if self.generator is None:
@@ -68,6 +90,29 @@ class SamplerState:
             seed = self.params.seed
             self.generator.manual_seed(seed if seed is not None else random.getrandbits(63))
         return self.generator
+
+
+def apply_penalties(logits: Any, states: list[SamplerState]) -> Any:
+    """``logits`` with each row's presence and frequency penalties applied.
+
+    Returns ``logits`` itself when no row is penalized (the common case costs nothing);
+    otherwise a float32 copy where, for every token a row generated ``c`` times, the logit
+    drops by ``presence_penalty + c * frequency_penalty``. Applied before sampling, so the
+    sampled token, its logprob and the alternatives all come from the penalized distribution.
+    """
+    rows = [i for i, s in enumerate(states) if s.params.penalized and s.counts]
+    if not rows:
+        return logits
+    import torch
+
+    out = logits.float().clone()
+    for i in rows:
+        state = states[i]
+        ids = torch.tensor(list(state.counts), dtype=torch.long, device=out.device)
+        counts = torch.tensor(list(state.counts.values()), dtype=out.dtype, device=out.device)
+        p = state.params
+        out[i, ids] -= p.presence_penalty + p.frequency_penalty * counts
+    return out
 
 
 def sample_rows(logits: Any, states: list[SamplerState]) -> list[int]:

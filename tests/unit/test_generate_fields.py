@@ -16,7 +16,12 @@ from pydantic import ValidationError
 
 from carpool.errors import RequestError
 from carpool.generation.logprobs import chat_logprobs, completion_logprobs
-from carpool.generation.sampling import SamplerState, SamplingParams, top_alternatives
+from carpool.generation.sampling import (
+    SamplerState,
+    SamplingParams,
+    apply_penalties,
+    top_alternatives,
+)
 from carpool.generation.schemas import ChatCompletionRequest, CompletionRequest, GenerationCall
 from carpool.http import _describe_validation_error
 
@@ -79,6 +84,18 @@ def test_null_optional_fields_mean_openai_defaults() -> None:
         assert call.ignore_eos is False
         assert call.logprobs is None
     assert _chat(stream=None).stream is None  # not streamed
+    for call in (chat, completion):
+        assert call.presence_penalty == 0.0 and call.frequency_penalty == 0.0
+
+
+def test_penalties_reach_the_generation_call() -> None:
+    call = GenerationCall.from_chat(_chat(presence_penalty=0.5, frequency_penalty=-1.5))
+    assert call.presence_penalty == 0.5 and call.frequency_penalty == -1.5
+    completion = CompletionRequest.model_validate(
+        {"prompt": "a", "presence_penalty": 2, "frequency_penalty": 0.25}
+    )
+    call = GenerationCall.from_completion(completion)
+    assert call.presence_penalty == 2.0 and call.frequency_penalty == 0.25
 
 
 @pytest.mark.parametrize(
@@ -100,8 +117,8 @@ def test_neutral_values_of_unsupported_fields_are_accepted(fields: dict[str, Any
 @pytest.mark.parametrize(
     ("fields", "param", "hint"),
     [
-        ({"presence_penalty": 0.5}, "presence_penalty", "set it to 0"),
-        ({"frequency_penalty": -1}, "frequency_penalty", "set it to 0"),
+        ({"presence_penalty": 2.5}, "presence_penalty", "2"),
+        ({"frequency_penalty": -3}, "frequency_penalty", "-2"),
         ({"logit_bias": {"50256": -100}}, "logit_bias", "remove it"),
         ({"tools": [{"type": "function", "function": {"name": "f"}}]}, "tools", "remove tools"),
         ({"tool_choice": "required"}, "tool_choice", '"none"'),
@@ -139,7 +156,7 @@ def test_top_logprobs_needs_logprobs_true() -> None:
         ({"logprobs": 6}, "logprobs", "5"),
         ({"prompt": [1, 2, 3]}, "prompt", "as text"),
         ({"prompt": [[1, 2]]}, "prompt", "as text"),
-        ({"presence_penalty": 2}, "presence_penalty", "set it to 0"),
+        ({"presence_penalty": 9}, "presence_penalty", "2"),
         ({"logit_bias": {"1": 5}}, "logit_bias", "remove"),
     ],
 )
@@ -199,6 +216,26 @@ def test_top_alternatives_are_the_best_tokens_under_the_sampled_distribution() -
     assert tops[2] == []
     # Nobody asking costs nothing and returns nothing.
     assert top_alternatives(logits, states[2:]) == [[]]
+
+
+def test_penalties_lower_the_logits_of_generated_tokens() -> None:
+    import torch
+
+    logits = torch.zeros(3, 6)
+    states = [
+        SamplerState(SamplingParams(presence_penalty=0.5, frequency_penalty=0.25)),
+        SamplerState(SamplingParams(frequency_penalty=-1.0)),
+        SamplerState(SamplingParams()),
+    ]
+    for token in (2, 2, 4):
+        for state in states:
+            state.observe(token)
+    out = apply_penalties(logits, states)
+    assert out[0].tolist() == [0, 0, -(0.5 + 2 * 0.25), 0, -(0.5 + 0.25), 0]
+    assert out[1].tolist() == [0, 0, 2.0, 0, 1.0, 0]
+    assert out[2].tolist() == [0.0] * 6 and states[2].counts == {}  # unpenalized: no counts
+    assert logits.abs().sum() == 0  # the caller's logits are left alone
+    assert apply_penalties(logits, states[2:]) is logits  # nothing to do: no copy
 
 
 # --- the generator server, end to end on a tiny model -------------------------------------
@@ -280,6 +317,53 @@ def test_generate_returns_each_tokens_logprob_and_alternatives(server: Any) -> N
     assert legacy["text_offset"][0] == 0
     assert legacy["text_offset"][-1] == sum(len(t) for t in decoded[:-1])
     assert all(decoded[i] in legacy["top_logprobs"][i] for i in range(6))
+
+
+@pytest.mark.parametrize("mode", ["continuous", "static"])
+def test_penalties_steer_greedy_choice_like_a_reference(mode: str) -> None:
+    """Each greedy token is the argmax of the penalized logits of an unbatched forward."""
+    import torch
+    from transformers import LlamaForCausalLM
+
+    from deployments.generator import GeneratorServer
+    from tests.factories import llama_tokenizer, tiny_llama_config
+
+    tokenizer = llama_tokenizer()
+    torch.manual_seed(0)
+    # At this scale the random model's greedy answer repeats one token (margins ~0.1).
+    model = LlamaForCausalLM(tiny_llama_config(tokenizer, initializer_range=0.1)).eval()
+    srv = GeneratorServer(
+        {"mode": mode, "limits": {"max_seq_len": 256}, "batching": {"max_num_seqs": 2}},
+        model=model,
+        tokenizer=tokenizer,
+    )
+    base = {"prompts": ["the the the the"], "max_tokens": 12, "temperature": 0.0}
+    try:
+        plain = asyncio.run(srv.generate({**base, "ignore_eos": True}))
+        steered = asyncio.run(
+            srv.generate(
+                {**base, "ignore_eos": True, "presence_penalty": 1.5, "frequency_penalty": 1.0}
+            )
+        )
+    finally:
+        srv.close()
+    # Unpenalized the model repeats itself; the penalties push it to other tokens.
+    assert len(set(plain["token_ids"])) <= 2
+    assert len(set(steered["token_ids"])) > len(set(plain["token_ids"])) + 2
+
+    prompt = tokenizer(base["prompts"][0])["input_ids"]
+    tokens = steered["token_ids"]
+    with torch.no_grad():
+        logits = model(torch.tensor([prompt + tokens])).logits[0].float()
+    counts: dict[int, int] = {}
+    for k, token in enumerate(tokens):
+        row = logits[len(prompt) - 1 + k].clone()
+        for seen, c in counts.items():
+            row[seen] -= 1.5 + 1.0 * c
+        assert int(torch.argmax(row)) == token, f"step {k}"
+        expected = float(torch.log_softmax(row, -1)[token])
+        assert steered["token_logprobs"][k] == pytest.approx(expected, abs=1e-4)
+        counts[token] = counts.get(token, 0) + 1
 
 
 def test_without_logprobs_the_choices_carry_none(server: Any) -> None:
