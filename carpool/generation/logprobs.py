@@ -16,6 +16,13 @@ from typing import Any
 # Most alternatives per token: OpenAI's limits (chat 20, legacy completions 5).
 MAX_CHAT_TOP_LOGPROBS = 20
 MAX_COMPLETION_LOGPROBS = 5
+# What a token of zero probability (a -inf logit, e.g. a masked vocabulary slot) reports:
+# OpenAI's own floor. JSON has no -Infinity, and the response could not be written.
+LOGPROB_FLOOR = -9999.0
+
+
+def _finite(logprob: float) -> float:
+    return logprob if logprob > LOGPROB_FLOOR else LOGPROB_FLOOR
 
 
 class TokenTexts:
@@ -47,8 +54,8 @@ def raw_record(
     """The endpoint-neutral record of some sampled tokens (see the module docstring)."""
     return {
         "tokens": [texts(t) for t in token_ids],
-        "token_logprobs": list(token_logprobs),
-        "top_logprobs": [[[texts(t), lp] for t, lp in row] for row in top]
+        "token_logprobs": [_finite(lp) for lp in token_logprobs],
+        "top_logprobs": [[[texts(t), _finite(lp)] for t, lp in row] for row in top]
         if top
         else [[] for _ in token_ids],
     }

@@ -466,3 +466,16 @@ def test_static_engine_reports_alternatives_too() -> None:
     tops = [top for e in events for top in e.top_logprobs]
     assert len(tops) == len(tokens) == 4
     assert all(len(top) == 2 and top[0][0] == t for top, t in zip(tops, tokens, strict=True))
+
+
+def test_zero_probability_tokens_report_a_finite_floor() -> None:
+    import json
+
+    from carpool.generation.logprobs import LOGPROB_FLOOR, TokenTexts, raw_record
+
+    texts = TokenTexts(lambda ids: f"<{ids[0]}>")
+    record = raw_record(texts, [7], [float("-inf")], [[(7, float("-inf")), (3, float("nan"))]])
+    assert record["token_logprobs"] == [LOGPROB_FLOOR]
+    assert record["top_logprobs"] == [[["<7>", LOGPROB_FLOOR], ["<3>", LOGPROB_FLOOR]]]
+    json.dumps(chat_logprobs(record), allow_nan=False)  # what the JSON response does
+    json.dumps(completion_logprobs(record), allow_nan=False)
