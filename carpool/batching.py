@@ -16,6 +16,7 @@ Two pure pieces and one small piece of machinery, none of which import Ray:
 from __future__ import annotations
 
 import asyncio
+import logging
 import math
 import time
 from collections.abc import Callable, Sequence
@@ -23,6 +24,8 @@ from dataclasses import dataclass, field
 from typing import Any, Generic, Protocol, TypeVar
 
 from carpool.admission import deadline_exceeded
+
+logger = logging.getLogger(__name__)
 
 P = TypeVar("P")  # an item's payload (token ids, a pair, ...)
 R = TypeVar("R")  # an item's result
@@ -336,6 +339,13 @@ class LengthAwareExecutor(Generic[P, R]):
             raise outcome
         return outcome
 
+    def worker_failure(self) -> str | None:
+        """Why the worker task ended, or None while it runs (or before the first job)."""
+        worker = self._worker
+        if worker is None or not worker.done():
+            return None
+        return "cancelled" if worker.cancelled() else repr(worker.exception())
+
     def _ensure_worker(self) -> None:
         if self._worker is None or self._worker.done():
             self._wakeup = asyncio.Event()
@@ -430,7 +440,12 @@ class LengthAwareExecutor(Generic[P, R]):
                 step_items=step_items,
             )
             for listener in self.listeners:
-                listener.on_pass(record)
+                try:
+                    listener.on_pass(record)
+                except Exception:
+                    # A broken metrics hook must not end the worker: every request it had taken
+                    # would then wait out its deadline unanswered.
+                    logger.exception("a pass listener failed; the pass's results go out anyway")
             for k, result in zip(live, outcome, strict=True):
                 job, i = refs[k]
                 self._deliver(job, i, result)

@@ -34,6 +34,22 @@ class BatchedModelServer(Generic[P, R]):
     """Owns the executor and the batching knobs; subclasses add the request logic."""
 
     batching: BatchingConfig
+    stage = "model"  # what health and error messages call this replica
+
+    def check_health(self) -> None:
+        """Serve's health check: raises when the batching worker task died, so Serve
+        replaces this replica.
+
+        Every forward pass runs on that task; if something its loop does not catch ends it,
+        requests already taken from the queue never get an answer and wait out their
+        deadline while the replica still looks healthy.
+        """
+        failure = self.executor.worker_failure()
+        if failure is not None:
+            raise RuntimeError(
+                f"{self.stage} is unhealthy: its batching worker task ended ({failure}); "
+                "requests it held will not be answered"
+            )
 
     def _init_batching(
         self, forward: Callable[[list[P]], list[R]], batching: BatchingConfig

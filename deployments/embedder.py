@@ -178,6 +178,8 @@ class EmbedResult:
 class EmbeddingServer(BatchedModelServer[list[int], np.ndarray]):
     """Plain-Python embedder server; tests use it without Ray."""
 
+    stage = "embedder"
+
     def __init__(self, config: EmbedderConfig | dict | None = None, model: Any = None) -> None:
         self.config = (
             config
@@ -189,24 +191,6 @@ class EmbeddingServer(BatchedModelServer[list[int], np.ndarray]):
             model = TextEmbedder(self.config)
         self.model: EmbeddingModel = model
         self._init_batching(self.model.embed_ids, self.config.batching)
-
-    def check_health(self) -> None:
-        """Serve's health check: raises when the batching worker task died, so Serve
-        replaces this replica.
-
-        Every forward pass runs on that task. If something its loop does not catch ends it
-        (a failing pass listener, say), requests already taken from the queue never get an
-        answer and wait out their deadline, while the replica still looks healthy.
-        """
-        # The executor (carpool/batching.py) exposes no health of its own yet; its task is
-        # read here.
-        worker = self.executor._worker
-        if worker is not None and worker.done():
-            cause = "cancelled" if worker.cancelled() else repr(worker.exception())
-            raise RuntimeError(
-                f"embedder is unhealthy: its batching worker task ended ({cause}); requests it "
-                "held will not be answered"
-            )
 
     def describe(self) -> dict[str, Any]:
         return {

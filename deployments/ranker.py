@@ -274,6 +274,8 @@ class RankResult:
 class RankingServer(BatchedModelServer[Pair, float]):
     """Plain-Python ranker server; tests use it without Ray."""
 
+    stage = "ranker"
+
     def __init__(self, config: RankerConfig | dict | None = None, scorer: Any = None) -> None:
         self.config = (
             config
@@ -286,24 +288,6 @@ class RankingServer(BatchedModelServer[Pair, float]):
             scorer = cls(self.config)
         self.scorer: PairScorer = scorer
         self._init_batching(self.scorer.score, self.config.batching)
-
-    def check_health(self) -> None:
-        """Serve's health check: raises when the batching worker task died, so Serve
-        replaces this replica.
-
-        Every forward pass runs on that task. If something its loop does not catch ends it
-        (a failing pass listener, say), requests already taken from the queue never get an
-        answer and wait out their deadline, while the replica still looks healthy.
-        """
-        # The executor (carpool/batching.py) exposes no health of its own yet; its task is
-        # read here.
-        worker = self.executor._worker
-        if worker is not None and worker.done():
-            cause = "cancelled" if worker.cancelled() else repr(worker.exception())
-            raise RuntimeError(
-                f"ranker is unhealthy: its batching worker task ended ({cause}); requests it "
-                "held will not be answered"
-            )
 
     def describe(self) -> dict[str, Any]:
         return {

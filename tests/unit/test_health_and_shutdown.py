@@ -7,6 +7,7 @@ application without deploying it.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import threading
 import time
 from typing import Any
@@ -145,7 +146,7 @@ class _Scorer:
 
 
 class _BrokenListener:
-    """A pass listener that fails: nothing in the executor's loop catches it."""
+    """A pass listener that fails (a metrics exporter, say)."""
 
     def on_pass(self, record: Any) -> None:
         raise RuntimeError("metrics exporter broke")
@@ -155,10 +156,16 @@ async def _serve_then_break(server: Any, request: Any) -> None:
     # One event loop throughout, as in a replica: the worker task lives on it.
     await request()
     server.check_health()
+    # A failing listener is logged, not fatal: the request is answered, the worker lives.
     server.executor.listeners.append(_BrokenListener())
-    with pytest.raises(asyncio.TimeoutError):
-        await asyncio.wait_for(request(), 1.0)  # taken by the worker, never answered
-    with pytest.raises(RuntimeError, match=r"batching worker task ended .*metrics exporter"):
+    await asyncio.wait_for(request(), 10.0)
+    server.check_health()
+    # A worker that ends anyway (here: cancelled) fails the check until a job restarts it.
+    worker = server.executor._worker
+    worker.cancel()
+    with contextlib.suppress(asyncio.CancelledError):
+        await worker
+    with pytest.raises(RuntimeError, match=r"is unhealthy: its batching worker task ended"):
         server.check_health()
 
 
