@@ -164,8 +164,12 @@ class RagChatRequest(WireRequest):
     seed: int | None = Field(
         default=None, ge=-(2**63), lt=2**63, description="Makes sampling repeatable."
     )
-    presence_penalty: float | None = Field(default=None, description="Only 0 is supported.")
-    frequency_penalty: float | None = Field(default=None, description="Only 0 is supported.")
+    presence_penalty: float | None = Field(
+        default=None, ge=-2, le=2, description="OpenAI's: penalises tokens already generated."
+    )
+    frequency_penalty: float | None = Field(
+        default=None, ge=-2, le=2, description="OpenAI's: penalises tokens by their count so far."
+    )
     logprobs: bool | None = Field(default=None, description="Only false is supported.")
     user: str | None = Field(default=None, max_length=256, description="Ignored; accepted.")
     top_k: int | None = Field(
@@ -220,9 +224,6 @@ class RagChatRequest(WireRequest):
                 f"n is {self.n}, but /rag returns one cited answer; remove n or set it to 1 "
                 "(send the request again for another answer)"
             )
-        for name in ("presence_penalty", "frequency_penalty"):
-            if getattr(self, name) not in (None, 0):
-                raise ValueError(f"{name} is not supported by /rag; remove it or set it to 0")
         if self.logprobs:
             raise ValueError("logprobs are not supported by /rag; remove logprobs")
         if self.stream_options is not None and not self.stream:
@@ -272,6 +273,8 @@ def generation_call(
         "top_p": 1.0 if body.top_p is None else body.top_p,
         "stop": body.stop_list(),
         "seed": body.seed,
+        "presence_penalty": body.presence_penalty or 0.0,
+        "frequency_penalty": body.frequency_penalty or 0.0,
         "deadline": controls.deadline,
         "priority": controls.priority,
     }

@@ -30,8 +30,22 @@ def _rag_error(**fields: object) -> str:
 
 
 def test_rag_passes_sampling_fields_to_the_generator() -> None:
-    body = _rag(stop=["\n\n", "END"], seed=7, temperature=0.3, top_p=0.9, n=1, max_tokens=5)
+    body = _rag(
+        stop=["\n\n", "END"],
+        seed=7,
+        temperature=0.3,
+        top_p=0.9,
+        n=1,
+        max_tokens=5,
+        presence_penalty=0.5,
+        frequency_penalty=-1,
+    )
     call = generation_call(body, "SYS", 5, _Controls())
+    # What the generator replica reads (its model ignores unknown keys, so check the names).
+    from carpool.generation.schemas import GenerationCall
+
+    parsed = GenerationCall.model_validate(call)
+    assert (parsed.presence_penalty, parsed.frequency_penalty) == (0.5, -1.0)
     assert call["stop"] == ["\n\n", "END"]
     assert call["seed"] == 7
     assert call["temperature"] == 0.3 and call["top_p"] == 0.9
@@ -88,8 +102,8 @@ def test_rag_streams_usage_only_when_asked() -> None:
         ({"logit_bias": {"5": 1}}, "logit_bias", "remove"),
         ({"logprobs": True}, "logprobs", "remove"),
         ({"top_logprobs": 2}, "top_logprobs", "remove"),
-        ({"presence_penalty": 0.5}, "presence_penalty", "set it to 0"),
-        ({"frequency_penalty": 1}, "frequency_penalty", "set it to 0"),
+        ({"presence_penalty": 2.5}, "presence_penalty", "less than or equal to 2"),
+        ({"frequency_penalty": -3}, "frequency_penalty", "greater than or equal to -2"),
         ({"reasoning_effort": "low"}, "reasoning_effort", None),
         ({"temprature": 0.5}, "temprature", None),
         ({"stop": ["a"] * 5}, "stop", "at most"),
