@@ -24,7 +24,7 @@ from ray.serve.handle import DeploymentHandle
 
 from carpool.config import IngressConfig, StrictModel
 from carpool.errors import RequestError
-from carpool.generation.schemas import MAX_STOP, MAX_STOP_CHARS, StreamOptions, TextPart
+from carpool.generation.schemas import MAX_STOP, StreamOptions, TextPart, check_stops
 from carpool.http import (
     MAX_BODY_BYTES,
     apply_ingress_defaults,
@@ -200,17 +200,7 @@ class RagChatRequest(WireRequest):
     @field_validator("stop")
     @classmethod
     def _stops(cls, value: str | list[str] | None) -> str | list[str] | None:
-        stops = [value] if isinstance(value, str) else list(value or [])
-        if len(stops) > MAX_STOP:
-            raise ValueError(f"stop has {len(stops)} strings; send at most {MAX_STOP}")
-        for i, s in enumerate(stops):
-            if not s:
-                raise ValueError(f"stop[{i}] is empty; remove it")
-            if len(s) > MAX_STOP_CHARS:
-                raise ValueError(
-                    f"stop[{i}] has {len(s)} characters; send at most {MAX_STOP_CHARS}"
-                )
-        return value
+        return check_stops(value)
 
     @model_validator(mode="after")
     def _refuse_unsupported(self) -> "RagChatRequest":

@@ -101,6 +101,19 @@ UNSUPPORTED_COMPLETION = {
 }
 
 
+def check_stops(value: str | list[str] | None) -> str | list[str] | None:
+    """OpenAI's ``stop``: at most ``MAX_STOP`` non-empty strings of bounded length."""
+    stops = [value] if isinstance(value, str) else list(value or [])
+    if len(stops) > MAX_STOP:
+        raise ValueError(f"stop has {len(stops)} strings; send at most {MAX_STOP}")
+    for i, s in enumerate(stops):
+        if not s:
+            raise ValueError(f"stop[{i}] is empty; remove it")
+        if len(s) > MAX_STOP_CHARS:
+            raise ValueError(f"stop[{i}] has {len(s)} characters; send at most {MAX_STOP_CHARS}")
+    return value
+
+
 class _SamplingFields(_Request):
     """Fields completions and chat share. ``null`` means the default, as in OpenAI's API."""
 
@@ -160,17 +173,7 @@ class _SamplingFields(_Request):
     @field_validator("stop")
     @classmethod
     def _stops(cls, value: str | list[str] | None) -> str | list[str] | None:
-        stops = [value] if isinstance(value, str) else list(value or [])
-        if len(stops) > MAX_STOP:
-            raise ValueError(f"stop has {len(stops)} strings; send at most {MAX_STOP}")
-        for i, s in enumerate(stops):
-            if not s:
-                raise ValueError(f"stop[{i}] is empty; remove it")
-            if len(s) > MAX_STOP_CHARS:
-                raise ValueError(
-                    f"stop[{i}] has {len(s)} characters; send at most {MAX_STOP_CHARS}"
-                )
-        return value
+        return check_stops(value)
 
     _unsupported_fields: ClassVar[dict[str, str]] = UNSUPPORTED_SHARED
 
