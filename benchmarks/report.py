@@ -349,7 +349,8 @@ def headline_markdown(results: dict[str, Any]) -> str:
     for key, f in (head.get("figures") or {}).items():
         met = {True: "met", False: "**missed**", None: "-"}[f.get("met")]
         digits = 0 if key.endswith("refused") else 2
-        rows.append([f"`{key}`", f["what"], spread(f, digits), f.get("target") or "-", met])
+        value = f"undefined: {f['undefined']}" if f.get("undefined") else spread(f, digits)
+        rows.append([f"`{key}`", f["what"], value, f.get("target") or "-", met])
     return table(["key", "what", "median (min-max)", "target", ""], rows)
 
 

@@ -616,3 +616,22 @@ applications:
         "batch_wait_timeout_s": 0.0,  # the benchmark's override wins over both
     }
     assert args["embedder"]["replica"]["torch_threads"] == 1
+
+
+def test_a_baseline_that_meets_the_slo_at_no_rate_makes_the_ratio_undefined_not_missed() -> None:
+    from benchmarks.report import headline_markdown
+    from benchmarks.suite import headline
+
+    results = _paired_results()
+    results["slo"]["naive"]["slo_ms"] = _windows([0, 0, 0])
+    results["headline"] = head = headline(results)
+    f = head["figures"]["vs_naive"]
+    assert f["median"] is None and f["met"] is None
+    assert (
+        "naive meets p99 <= SLO at no rate" in f["undefined"] and "30.0 items/s" in f["undefined"]
+    )
+    assert "vs_naive" not in head["met"]
+    assert "undefined: naive meets" in headline_markdown(results)
+    # Both at no rate is no finding at all: still a miss.
+    results["slo"]["carpool"]["slo_ms"] = _windows([0, 0, 0])
+    assert headline(results)["figures"]["vs_naive"]["met"] is False
