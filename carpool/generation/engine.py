@@ -526,12 +526,7 @@ class ContinuousEngine(GenerationEngine):
             logits = self.runner.forward(
                 0, [s.next_chunk(1) for s in seqs], [s.num_computed for s in seqs]
             )
-            states = [s.sampler for s in seqs]
-            logits = apply_penalties(logits, states)
-            tokens = sample_rows(logits, states)
-            logprobs = chosen_logprobs(logits, tokens, states)
-            tops = top_alternatives(logits, states)
-            for seq, token, logprob, top in zip(seqs, tokens, logprobs, tops, strict=True):
+            for seq, (token, logprob, top) in zip(seqs, _sample(logits, seqs), strict=True):
                 seq.num_computed += 1
                 if self._accept(seq, token, logprob, top):
                     ended.append(seq)
@@ -553,13 +548,8 @@ class ContinuousEngine(GenerationEngine):
                     done_rows.append(row)
             if done_rows:
                 completed = [seqs[r] for r in done_rows]
-                rows = logits[done_rows]
-                states = [s.sampler for s in completed]
-                rows = apply_penalties(rows, states)
-                tokens = sample_rows(rows, states)
-                logprobs = chosen_logprobs(rows, tokens, states)
-                tops = top_alternatives(rows, states)
-                for seq, token, logprob, top in zip(completed, tokens, logprobs, tops, strict=True):
+                sampled = _sample(logits[done_rows], completed)
+                for seq, (token, logprob, top) in zip(completed, sampled, strict=True):
                     self._promote(seq)
                     if self._accept(seq, token, logprob, top):
                         ended.append(seq)
@@ -814,3 +804,21 @@ def make_engine(
     if mode == "static":
         return StaticEngine(model, tokenizer, limits, max_seq_len, block_size)
     raise ValueError(f"unknown engine mode {mode!r}; choose one of {ENGINE_MODES}")
+
+
+def _sample(logits: Any, seqs: list[GenSequence]) -> list[tuple[int, Any, Any]]:
+    """Each row's sampled token, its logprob and the alternatives its request asked for.
+
+    Penalties apply first, so all three come from the distribution the token was drawn from.
+    """
+    states = [s.sampler for s in seqs]
+    logits = apply_penalties(logits, states)
+    tokens = sample_rows(logits, states)
+    return list(
+        zip(
+            tokens,
+            chosen_logprobs(logits, tokens, states),
+            top_alternatives(logits, states),
+            strict=True,
+        )
+    )
