@@ -24,7 +24,13 @@ from ray.serve.handle import DeploymentHandle
 
 from carpool.config import IngressConfig, StrictModel
 from carpool.errors import RequestError
-from carpool.generation.schemas import MAX_STOP, StreamOptions, TextPart, check_stops
+from carpool.generation.schemas import (
+    MAX_STOP,
+    StreamOptions,
+    TextPart,
+    check_stops,
+    check_token_limits,
+)
 from carpool.http import (
     MAX_BODY_BYTES,
     apply_ingress_defaults,
@@ -218,15 +224,7 @@ class RagChatRequest(WireRequest):
             raise ValueError("logprobs are not supported by /rag; remove logprobs")
         if self.stream_options is not None and not self.stream:
             raise ValueError("stream_options is only allowed with stream: true; remove it")
-        if (
-            self.max_tokens is not None
-            and self.max_completion_tokens is not None
-            and self.max_tokens != self.max_completion_tokens
-        ):
-            raise ValueError(
-                f"max_tokens ({self.max_tokens}) and max_completion_tokens "
-                f"({self.max_completion_tokens}) differ; send only one of them"
-            )
+        check_token_limits(self.max_tokens, self.max_completion_tokens)
         return self
 
     def question(self) -> str:

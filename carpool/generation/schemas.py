@@ -114,6 +114,19 @@ def check_stops(value: str | list[str] | None) -> str | list[str] | None:
     return value
 
 
+def check_token_limits(max_tokens: int | None, max_completion_tokens: int | None) -> None:
+    """Chat's two names for one limit: either, or both when they agree."""
+    if (
+        max_tokens is not None
+        and max_completion_tokens is not None
+        and max_tokens != max_completion_tokens
+    ):
+        raise ValueError(
+            f"max_tokens ({max_tokens}) and max_completion_tokens "
+            f"({max_completion_tokens}) differ; send only one of them"
+        )
+
+
 class _SamplingFields(_Request):
     """Fields completions and chat share. ``null`` means the default, as in OpenAI's API."""
 
@@ -333,15 +346,7 @@ class ChatCompletionRequest(_SamplingFields):
                 f"top_logprobs is {self.top_logprobs} but logprobs is not true; send "
                 "logprobs: true with it, or remove top_logprobs"
             )
-        if (
-            self.max_tokens is not None
-            and self.max_completion_tokens is not None
-            and self.max_tokens != self.max_completion_tokens
-        ):
-            raise ValueError(
-                f"max_tokens ({self.max_tokens}) and max_completion_tokens "
-                f"({self.max_completion_tokens}) differ; send only one of them"
-            )
+        check_token_limits(self.max_tokens, self.max_completion_tokens)
         return self
 
     def token_limit(self) -> int | None:
