@@ -25,11 +25,13 @@ GOOD = {
 @pytest.mark.parametrize("app", sorted(GOOD))
 def test_every_pipeline_honours_priority_and_an_ample_deadline(default_apps: str, app: str) -> None:
     path, body = GOOD[app]
+    # Ample even for a cold /rag on a busy 2-core machine: its first LLM rerank alone took
+    # 92 s beside two busy processes, and the 120 s budget once ran out.
     r = httpx.post(
         f"{default_apps}{path}",
         json=body,
-        headers={"x-carpool-priority": "batch", "x-carpool-deadline-ms": "120000"},
-        timeout=300,
+        headers={"x-carpool-priority": "batch", "x-carpool-deadline-ms": "400000"},
+        timeout=450,
     )
     assert r.status_code == 200, r.text
 

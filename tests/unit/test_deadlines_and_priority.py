@@ -90,6 +90,25 @@ def test_a_deep_queue_is_costed_in_full_passes_after_light_load() -> None:
     assert unbounded.passes_for(146, 1460) == 146
 
 
+def test_a_guess_from_small_passes_refuses_nothing_until_a_large_pass_is_seen() -> None:
+    # Noisy one-request passes on a busy CPU fit a steep line (4 ms per token): it prices a
+    # burst of 9,000 tokens at over 30 s. That is an extrapolation, not a measurement: admit.
+    cost = PassCostModel(min_passes=1, max_pass_items=64, max_pass_tokens=8192)
+    for tokens, ms in [(20, 60.0), (40, 140.0), (30, 100.0), (60, 220.0), (50, 180.0)]:
+        cost.observe(tokens, items=1, ms=ms)
+    policy = DrainAdmission(AdmissionLimits(16_384, 30_000.0, 0.5), cost)
+    burst = QueueState(queued_items=140, queued_tokens=9_000, items=6, tokens=300)
+    assert cost.estimate_ms(140, 9_000) > 30_000
+    assert not cost.confident(140, 9_000)
+    assert policy.refuse(burst, RequestControls()) is None
+    assert policy.refuse(burst, RequestControls(deadline=time.time() + 5)) is None
+    # Once a pass of that size has run, the estimate is a measurement and the bound holds.
+    cost.observe(4_000, items=64, ms=16_000.0)
+    assert cost.confident(140, 9_000)
+    refused = policy.refuse(burst, RequestControls())
+    assert refused is not None and refused.status_code == 503
+
+
 def test_drain_admission_keeps_room_for_interactive_and_refuses_unmeetable_deadlines() -> None:
     cost = PassCostModel(min_passes=1)
     cost.observe(100, 10, 100.0)  # ~1 ms per token
