@@ -277,14 +277,18 @@ class RerankRequest(WireRequest):
     @field_validator("query")
     @classmethod
     def _query_not_blank(cls, value: str) -> str:
-        if not value.strip():
-            raise ValueError("query is only whitespace; send the text to rank documents against")
-        return value
+        return _check_rank_query(value)
 
     @field_validator("documents")
     @classmethod
     def _docs(cls, value: list[str]) -> list[str]:
         return _check_documents(value)
+
+
+def _check_rank_query(value: str) -> str:
+    if not value.strip():
+        raise ValueError("query is only whitespace; send the text to rank documents against")
+    return value
 
 
 def _check_documents(value: list[str]) -> list[str]:
@@ -351,9 +355,7 @@ class CohereRerankRequest(WireRequest):
     @field_validator("query")
     @classmethod
     def _query_not_blank(cls, value: str) -> str:
-        if not value.strip():
-            raise ValueError("query is only whitespace; send the text to rank documents against")
-        return value
+        return _check_rank_query(value)
 
     @field_validator("documents")
     @classmethod
