@@ -430,7 +430,8 @@ def suite_markdown(results: dict[str, Any], image_prefix: str = "") -> str:
             "",
             "### Goodput: clients that ignore Retry-After, and Poisson overload",
             "",
-            "Accepted (2xx) items/s; capacity is the same system's closed-loop figure above.",
+            "Accepted (2xx) items/s; the ratios divide by the `capacity` row: 32 closed-loop "
+            "clients honouring Retry-After, measured at the start of each round.",
             "",
         ]
         rows = [_row(name, m, cond) for name, runs in gp.items() for cond, m in runs.items()]

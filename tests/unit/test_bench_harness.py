@@ -484,6 +484,19 @@ def test_headline_keys_ratios_and_met_or_missed() -> None:
     assert "3.00 (2.70-3.30)" in text and "**missed**" in text
 
 
+def test_goodput_divides_by_the_capacity_measured_in_its_own_round() -> None:
+    from benchmarks.suite import headline
+
+    results = _paired_results()
+    # The saturation phase (40, 36, 44) ran long before; the goodput phase's own capacity
+    # windows are what the overload windows are compared with.
+    results["goodput"]["carpool"]["capacity"] = _windows([20, 18, 22])
+    f = headline(results)["figures"]
+    assert f["goodput_10x"]["rounds"] == pytest.approx([2.0, 2.0, 2.0])
+    assert f["goodput_3x"]["median"] == pytest.approx(1.0) and f["goodput_3x"]["met"]
+    assert headline(_paired_results())["figures"]["goodput_3x"]["median"] == pytest.approx(0.5)
+
+
 def test_report_writes_headline_json_beside_the_readme(tmp_path: Path) -> None:
     from benchmarks.report import write_readme
     from benchmarks.suite import headline
