@@ -228,3 +228,41 @@ class VectorIndex:
         # deletes are idempotent, so the result is the same.
         open(self._log_path, "w").close()
         self._log_entries = 0
+
+
+@dataclass(frozen=True)
+class IndexHome:
+    """Where a persisted index lives, and how many chunks it held there last."""
+
+    node_id: str
+    directory: str
+    chunks: int
+
+
+class IndexLost(Exception):
+    """A persisted index that held chunks opened empty: it is on another node, or was wiped."""
+
+
+def check_index_home(recorded: IndexHome | None, here: IndexHome) -> None:
+    """Raises ``IndexLost`` when ``here`` opened empty an index ``recorded`` saw with chunks.
+
+    The index persists to a node-local folder. A replica rescheduled onto another node (or a
+    node whose disk was replaced) finds that folder empty, and without this check it would
+    seed the default corpus and answer every search from it, silently dropping the user's
+    documents. The record lives outside the node (the serving layer keeps it in the
+    cluster's key-value store), so it survives the move that the folder did not.
+    """
+    if recorded is None or recorded.chunks == 0 or here.chunks > 0:
+        return
+    where = (
+        f"on node {recorded.node_id} in {recorded.directory}"
+        if recorded.node_id != here.node_id
+        else f"in {recorded.directory} on this node (the folder was emptied)"
+    )
+    raise IndexLost(
+        f"the retriever's index held {recorded.chunks} chunks {where}, and opened empty in "
+        f"{here.directory} on node {here.node_id}. Put index_dir on storage every node "
+        "mounts, or pin the retriever to the node that holds it (its `resources`, e.g. "
+        "{carpool_head_node: 0.01}); to start over with an empty index on purpose, set the "
+        "retriever's on_lost_index: start_empty."
+    )

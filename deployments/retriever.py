@@ -9,11 +9,13 @@ persisted to ``index_dir``, so run one replica per index (``num_replicas: 1``).
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
 import os
 from collections.abc import Awaitable, Callable
+from dataclasses import asdict
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal, Protocol
 
 import numpy as np
 from pydantic import Field, model_validator
@@ -23,7 +25,14 @@ from ray.serve.deployment import Application
 from carpool.admission import RequestControls, await_or_cancel
 from carpool.config import StrictModel
 from carpool.errors import RequestError, find_request_error
-from carpool.index import Chunk, VectorIndex, chunk_text
+from carpool.index import (
+    Chunk,
+    IndexHome,
+    IndexLost,
+    VectorIndex,
+    check_index_home,
+    chunk_text,
+)
 from carpool.models import cache_dir
 
 logger = logging.getLogger(__name__)
@@ -70,6 +79,13 @@ class RetrieverConfig(StrictModel):
         default_factory=dict, description="Custom Ray resources, to pin it to a node type."
     )
     max_ongoing_requests: int = Field(default=256, ge=1, le=100_000)
+    on_lost_index: Literal["refuse", "start_empty"] = Field(
+        default="refuse",
+        description="When the index held chunks (as the cluster recorded) but opens empty, "
+        "because the replica moved to another node or the folder was wiped: 'refuse' answers "
+        "503 saying so until the index is back; 'start_empty' starts over (and seeds the "
+        "default corpus if asked).",
+    )
 
     @model_validator(mode="after")
     def _overlap_below_chunk(self) -> RetrieverConfig:
@@ -81,10 +97,25 @@ class RetrieverConfig(StrictModel):
         return self
 
 
+class IndexHomeStore(Protocol):
+    """Where the index was last seen, kept off the node (see ``check_index_home``)."""
+
+    def get(self) -> IndexHome | None: ...
+
+    def put(self, home: IndexHome) -> None: ...
+
+
 class RetrievalServer:
     """Plain-Python retriever: tests pass any ``embed`` coroutine."""
 
-    def __init__(self, config: RetrieverConfig | dict, embed: Embed, app_name: str = "search"):
+    def __init__(
+        self,
+        config: RetrieverConfig | dict,
+        embed: Embed,
+        app_name: str = "search",
+        home_store: IndexHomeStore | None = None,
+        node_id: str = "local",
+    ):
         self.config = (
             config
             if isinstance(config, RetrieverConfig)
@@ -92,6 +123,8 @@ class RetrievalServer:
         )
         self._embed = embed
         self._app_name = app_name
+        self._home_store = home_store
+        self._node_id = node_id
         self._index: VectorIndex | None = None
         self._ready = asyncio.Lock()
         # Ingestion is serialised: concurrent upserts of one id must not interleave.
@@ -113,10 +146,34 @@ class RetrievalServer:
             if self._index is None:
                 probe = await self._embed(["dimension probe"])
                 index = VectorIndex(len(probe[0]), self._index_dir(), self.config.compact_every)
+                await self._check_home(index)
                 self._index = index
                 if len(index) == 0 and self.config.seed_default_corpus:
                     await self._ingest(self._default_corpus(), index)
+                await self._record_home(index)
             return self._index
+
+    def _home(self, index: VectorIndex) -> IndexHome | None:
+        if self._home_store is None or index.directory is None:
+            return None  # memory only: nothing persists, so nothing can be lost
+        return IndexHome(self._node_id, str(index.directory), len(index))
+
+    async def _check_home(self, index: VectorIndex) -> None:
+        here = self._home(index)
+        if here is None or self._home_store is None or self.config.on_lost_index != "refuse":
+            return
+        try:
+            check_index_home(await asyncio.to_thread(self._home_store.get), here)
+        except IndexLost as exc:
+            # Not opened: every call checks again, so restoring the folder (or moving the
+            # replica back) heals it without a redeploy.
+            logger.error("%s", exc)
+            raise RequestError(503, str(exc), code="index_lost") from None
+
+    async def _record_home(self, index: VectorIndex) -> None:
+        here = self._home(index)
+        if here is not None and self._home_store is not None:
+            await asyncio.to_thread(self._home_store.put, here)
 
     @staticmethod
     def _default_corpus() -> list[dict[str, Any]]:
@@ -168,6 +225,7 @@ class RetrievalServer:
                     vectors[offset : offset + len(chunks)],
                 )
                 offset += len(chunks)
+            await self._record_home(index)
         return {
             "ids": [doc["id"] for doc, _ in planned],
             "chunks": sum(len(chunks) for _, chunks in planned),
@@ -201,7 +259,9 @@ class RetrievalServer:
     async def delete_document(self, doc_id: str) -> bool:
         index = await self.index()
         async with self._writes:
-            return index.delete(doc_id)
+            deleted = index.delete(doc_id)
+            await self._record_home(index)
+            return deleted
 
     async def list_documents(self) -> list[dict[str, Any]]:
         return (await self.index()).documents()
@@ -227,6 +287,25 @@ class RetrievalServer:
         ]
 
 
+class ClusterIndexHomeStore:
+    """The index's home in Ray's cluster key-value store (GCS): it outlives any one node."""
+
+    def __init__(self, app_name: str) -> None:
+        self.key = f"index-home:{app_name}".encode()
+
+    def get(self) -> IndexHome | None:
+        from ray.experimental.internal_kv import _internal_kv_get
+
+        raw = _internal_kv_get(self.key, namespace="carpool")
+        return IndexHome(**json.loads(raw)) if raw else None
+
+    def put(self, home: IndexHome) -> None:
+        from ray.experimental.internal_kv import _internal_kv_put
+
+        value = json.dumps(asdict(home)).encode()
+        _internal_kv_put(self.key, value, overwrite=True, namespace="carpool")
+
+
 class RetrievalDeployment(RetrievalServer):
     """Serve shell: embeds through the embed app's embedder deployment."""
 
@@ -236,8 +315,16 @@ class RetrievalDeployment(RetrievalServer):
 
     def __init__(self, config: dict, app_name: str) -> None:
         parsed = RetrieverConfig.model_validate(config)
+        import ray
+
         self._handle: Any = None
-        super().__init__(parsed, self._embed_remote, app_name)
+        super().__init__(
+            parsed,
+            self._embed_remote,
+            app_name,
+            ClusterIndexHomeStore(app_name),
+            ray.get_runtime_context().get_node_id(),
+        )
 
     async def _embed_remote(
         self, texts: list[str], controls: RequestControls | None = None

@@ -8,7 +8,8 @@ import itertools
 import numpy as np
 import pytest
 
-from carpool.index import Chunk, VectorIndex, chunk_text
+from carpool.errors import RequestError
+from carpool.index import Chunk, IndexHome, IndexLost, VectorIndex, check_index_home, chunk_text
 from deployments.retriever import RetrievalServer
 
 
@@ -81,15 +82,19 @@ def test_dimension_mismatch_says_what_to_do(tmp_path) -> None:
         VectorIndex(3, tmp_path)
 
 
-def test_retrieval_server_ingests_and_finds_with_a_fake_embedder(tmp_path) -> None:
-    vocabulary = ["river", "mountain", "guitar", "market"]
+VOCABULARY = ["river", "mountain", "guitar", "market"]
 
-    async def embed(texts: list[str]) -> list[np.ndarray]:
-        out = []
-        for text in texts:
-            v = np.array([text.count(w) for w in vocabulary], dtype=np.float32) + 0.01
-            out.append(v / np.linalg.norm(v))
-        return out
+
+async def _count_embed(texts: list[str]) -> list[np.ndarray]:
+    out = []
+    for text in texts:
+        v = np.array([text.count(w) for w in VOCABULARY], dtype=np.float32) + 0.01
+        out.append(v / np.linalg.norm(v))
+    return out
+
+
+def test_retrieval_server_ingests_and_finds_with_a_fake_embedder(tmp_path) -> None:
+    embed = _count_embed
 
     config = {
         "index_dir": str(tmp_path),
@@ -112,3 +117,62 @@ def test_retrieval_server_ingests_and_finds_with_a_fake_embedder(tmp_path) -> No
     assert hits[0]["doc_id"] == "geo" and hits[0]["metadata"] == {"k": "v"}
     restarted = RetrievalServer(config, embed)
     assert {d["id"] for d in asyncio.run(restarted.list_documents())} == {"music", "geo"}
+
+
+def test_an_index_that_held_chunks_and_opens_empty_is_lost() -> None:
+    had = IndexHome("node-a", "/idx", 12)
+    check_index_home(None, IndexHome("node-b", "/idx", 0))  # never recorded: a fresh index
+    check_index_home(IndexHome("node-a", "/idx", 0), IndexHome("node-b", "/idx", 0))
+    check_index_home(had, IndexHome("node-b", "/shared", 12))  # moved, storage came along
+    with pytest.raises(IndexLost, match="12 chunks on node node-a") as moved:
+        check_index_home(had, IndexHome("node-b", "/idx", 0))
+    assert "resources" in str(moved.value) and "on_lost_index: start_empty" in str(moved.value)
+    with pytest.raises(IndexLost, match="was emptied"):
+        check_index_home(had, IndexHome("node-a", "/idx", 0))
+
+
+class _DictHomeStore:
+    """The cluster's key-value store, as one process sees it."""
+
+    def __init__(self) -> None:
+        self.home: IndexHome | None = None
+
+    def get(self) -> IndexHome | None:
+        return self.home
+
+    def put(self, home: IndexHome) -> None:
+        self.home = home
+
+
+def test_a_retriever_moved_to_an_empty_node_refuses_instead_of_reseeding(tmp_path) -> None:
+    store = _DictHomeStore()
+    config = {"chunk_chars": 60, "overlap_chars": 10, "seed_default_corpus": True}
+    first = RetrievalServer(
+        {**config, "index_dir": str(tmp_path / "a")}, _count_embed, "search", store, "node-a"
+    )
+    doc = {"id": "geo", "text": "a river runs by the mountain " * 6, "metadata": {}}
+    asyncio.run(first.add_documents([doc]))
+    seeded_and_added = len(asyncio.run(first.index()))
+    assert store.home == IndexHome("node-a", str(tmp_path / "a"), seeded_and_added)
+
+    moved = {**config, "index_dir": str(tmp_path / "b")}
+    second = RetrievalServer(moved, _count_embed, "search", store, "node-b")
+    with pytest.raises(RequestError) as refused:
+        asyncio.run(second.search("river", top_k=2))
+    assert refused.value.status_code == 503 and refused.value.code == "index_lost"
+    assert "node-a" in str(refused.value) and not (tmp_path / "b" / "snapshot.npz").exists()
+    assert store.home is not None and store.home.node_id == "node-a"  # the record stands
+
+    # Moved back (or the folder restored): the same server heals without a restart.
+    second.config = second.config.model_copy(update={"index_dir": str(tmp_path / "a")})
+    assert asyncio.run(second.search("river", top_k=1))[0]["doc_id"] == "geo"
+
+    fresh = RetrievalServer(
+        {**moved, "index_dir": str(tmp_path / "c"), "on_lost_index": "start_empty"},
+        _count_embed,
+        "search",
+        store,
+        "node-b",
+    )
+    assert {d["id"] for d in asyncio.run(fresh.list_documents())} != {"geo"}
+    assert store.home is not None and store.home.node_id == "node-b"
