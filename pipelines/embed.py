@@ -28,11 +28,11 @@ from carpool.schemas import (
     EmbeddingData,
     EmbeddingRequest,
     EmbeddingResponse,
-    ModelCard,
     ModelList,
     Usage,
 )
 from deployments.embedder import EmbedderConfig, EmbedResult, build_embedding_deployment
+from pipelines.handler import PipelineHandler
 
 
 class EmbedArgs(StrictModel):
@@ -55,6 +55,10 @@ class EmbedArgs(StrictModel):
         description="Longest text accepted, in characters (bounds tokenizer work per request).",
     )
 
+
+# Deployment names other apps find this pipeline's parts by (serve.get_deployment_handle).
+EMBED_INGRESS = "embed_ingress"
+EMBEDDER_DEPLOYMENT = "embedder"
 
 api = make_api(
     "carpool embed",
@@ -79,19 +83,26 @@ def check_model(requested: str | None, served: str) -> None:
         )
 
 
-@serve.ingress(api)
-class EmbedIngress:
-    """HTTP front of the embed pipeline: validates, forwards, formats."""
+class EmbedHandler(PipelineHandler):
+    """The embed pipeline's request handling over an embedder handle.
 
-    def __init__(self, embedder: DeploymentHandle, args: dict[str, Any]) -> None:
-        self.args = EmbedArgs.model_validate(args)
-        apply_ingress_defaults(api, self.args.ingress.default_deadline_ms)
+    The embed app's ingress and the OpenAI app (``pipelines.openai_api``) both answer with it,
+    so a request is checked, limited and answered the same whichever URL it came in by.
+    """
+
+    def __init__(self, embedder: DeploymentHandle, args: EmbedArgs, created: int | None = None):
+        self.args = args
         self.embedder = embedder
-        self.model_name = self.args.embedder.source.served_model_name or "embedder"
-        self.created = int(time.time())
+        self.model_name = args.embedder.source.served_model_name or "embedder"
+        self.created = created or int(time.time())
 
-    @api.post("/v1/embeddings", response_model=EmbeddingResponse)
-    async def embeddings(self, body: EmbeddingRequest) -> JSONResponse:
+    @classmethod
+    def attach(cls, app: str, settings: dict[str, Any]) -> "EmbedHandler":
+        """The handler of a running embed app, from its ingress's ``settings()``."""
+        embedder = serve.get_deployment_handle(EMBEDDER_DEPLOYMENT, app_name=app)
+        return cls(embedder, EmbedArgs.model_validate(settings["args"]), settings["created"])
+
+    async def embed_response(self, body: EmbeddingRequest) -> JSONResponse:
         check_model(body.model, self.model_name)
         if body.dimensions is not None:
             raise RequestError(
@@ -147,9 +158,22 @@ class EmbedIngress:
         )
         return JSONResponse(response.model_dump(exclude_none=True))
 
+
+@serve.ingress(api)
+class EmbedIngress(EmbedHandler):
+    """HTTP front of the embed pipeline: validates, forwards, formats."""
+
+    def __init__(self, embedder: DeploymentHandle, args: dict[str, Any]) -> None:
+        super().__init__(embedder, EmbedArgs.model_validate(args))
+        apply_ingress_defaults(api, self.args.ingress.default_deadline_ms)
+
+    @api.post("/v1/embeddings", response_model=EmbeddingResponse)
+    async def embeddings(self, body: EmbeddingRequest) -> JSONResponse:
+        return await self.embed_response(body)
+
     @api.get("/v1/models", response_model=ModelList)
     async def models(self) -> ModelList:
-        return ModelList(data=[ModelCard(id=self.model_name, created=self.created)])
+        return ModelList(data=[self.model_card()])
 
     @api.get("/v1/stats")
     async def stats(self) -> dict[str, Any]:
@@ -164,10 +188,8 @@ class EmbedIngress:
 def build_embed_app(args: dict[str, Any] | None = None) -> Application:
     """The embed pipeline: ingress -> embedder."""
     parsed = EmbedArgs.model_validate(args or {})
-    embedder = build_embedding_deployment(parsed.embedder)
-    ingress = serve.deployment(EmbedIngress).options(
-        **parsed.ingress.serve_options("embed_ingress")
-    )
+    embedder = build_embedding_deployment(parsed.embedder, EMBEDDER_DEPLOYMENT)
+    ingress = serve.deployment(EmbedIngress).options(**parsed.ingress.serve_options(EMBED_INGRESS))
     # Without the batching knobs: they reach the model replica as user_config, and the ingress
     # must not restart when only they change.
     return ingress.bind(embedder, parsed.model_dump(exclude={"embedder": {"batching"}}))

@@ -55,11 +55,16 @@ from deployments.generator import (
     GeneratorConfig,
     build_generator_deployment,
 )
+from pipelines.handler import PipelineHandler
 from router.deployment import RouterConfig, build_router_deployment
 
 logger = logging.getLogger(__name__)
 
 TIERS = ("small", "large")
+# Deployment names other apps find this pipeline's parts by (serve.get_deployment_handle); the
+# generators are named by their tier.
+GENERATE_INGRESS = "generate_ingress"
+ROUTER_DEPLOYMENT = "router"
 
 
 class GenerateArgs(StrictModel):
@@ -151,19 +156,24 @@ def _usage(counts: dict[str, Any]) -> UsageInfo:
     )
 
 
-@serve.ingress(api)
-class GenerateIngress:
-    """HTTP front of the generate pipeline: validates, picks the model, formats, streams."""
+class GenerateHandler(PipelineHandler):
+    """The generate pipeline's request handling over its generator (and router) handles.
+
+    The generate app's ingress and the OpenAI app (``pipelines.openai_api``) both answer with
+    it, so a request is checked, routed to a tier and answered (or streamed) the same whichever
+    URL it came in by.
+    """
 
     def __init__(
         self,
         small: DeploymentHandle,
         large: DeploymentHandle | None,
-        args: dict[str, Any],
+        args: GenerateArgs,
         router: DeploymentHandle | None = None,
+        created: int | None = None,
     ) -> None:
-        self.args = GenerateArgs.model_validate(args)
-        apply_ingress_defaults(api, self.args.ingress.default_deadline_ms)
+        self.args = args
+        self.created = created or now()
         self.handles: dict[str, DeploymentHandle] = {"small": small}
         configs: dict[str, GeneratorConfig] = {"small": self.args.small}
         if large is not None and self.args.large is not None:
@@ -191,10 +201,29 @@ class GenerateIngress:
             )
         return tier, self.handles[tier], name
 
+    @classmethod
+    def attach(cls, app: str, settings: dict[str, Any]) -> "GenerateHandler":
+        """The handler of a running generate app, from its ingress's ``settings()``."""
+        args = GenerateArgs.model_validate(settings["args"])
+
+        def handle(tier: str) -> DeploymentHandle:
+            return serve.get_deployment_handle(tier, app_name=app)
+
+        return cls(
+            handle("small"),
+            handle("large") if args.large is not None else None,
+            args,
+            handle(ROUTER_DEPLOYMENT) if args.router is not None else None,
+            settings["created"],
+        )
+
+    def served_names(self) -> list[str]:
+        """Every name ``model`` may take here: the tiers and the served names behind them."""
+        return sorted(self.aliases)
+
     # --- completions ----------------------------------------------------------------------
 
-    @api.post("/v1/completions", response_model=CompletionResponse)
-    async def completions(self, body: CompletionRequest) -> Any:
+    async def completion_response(self, body: CompletionRequest) -> Any:
         tier, handle, model = self._route(body.model)
         check_logprobs_route(tier, bool(body.stream), body.logprobs)
         call = with_controls(GenerationCall.from_completion(body))
@@ -264,8 +293,7 @@ class GenerateIngress:
 
     # --- chat -----------------------------------------------------------------------------
 
-    @api.post("/v1/chat/completions", response_model=ChatCompletionResponse)
-    async def chat_completions(self, body: ChatCompletionRequest) -> Any:
+    async def chat_response(self, body: ChatCompletionRequest) -> Any:
         tier, handle, model = self._route(body.model)
         check_logprobs_route(tier, bool(body.stream), body.logprobs_asked())
         call = with_controls(GenerationCall.from_chat(body))
@@ -387,17 +415,51 @@ class GenerateIngress:
                 # its slot is freed at the next engine step.
                 events.cancel()
 
-    # --- models and health ----------------------------------------------------------------
-
-    @api.get("/v1/models", response_model=ModelList)
-    async def models(self) -> ModelList:
+    async def model_cards(self) -> list[ModelCard]:
+        """One card per tier (small, large, auto), with the model behind it."""
         cards = []
         for tier, handle in self.handles.items():
             if tier not in self._described:
                 self._described[tier] = await call_backend(tier, handle.describe.remote())
             info = self._described[tier]
-            cards.append(ModelCard(id=tier, root=info["model"], max_model_len=info["max_seq_len"]))
-        return ModelList(data=cards)
+            cards.append(
+                ModelCard(
+                    id=tier,
+                    created=self.created,
+                    root=info["model"],
+                    max_model_len=info["max_seq_len"],
+                )
+            )
+        return cards
+
+
+@serve.ingress(api)
+class GenerateIngress(GenerateHandler):
+    """HTTP front of the generate pipeline: validates, picks the model, formats, streams."""
+
+    def __init__(
+        self,
+        small: DeploymentHandle,
+        large: DeploymentHandle | None,
+        args: dict[str, Any],
+        router: DeploymentHandle | None = None,
+    ) -> None:
+        super().__init__(small, large, GenerateArgs.model_validate(args), router)
+        apply_ingress_defaults(api, self.args.ingress.default_deadline_ms)
+
+    @api.post("/v1/completions", response_model=CompletionResponse)
+    async def completions(self, body: CompletionRequest) -> Any:
+        return await self.completion_response(body)
+
+    @api.post("/v1/chat/completions", response_model=ChatCompletionResponse)
+    async def chat_completions(self, body: ChatCompletionRequest) -> Any:
+        return await self.chat_response(body)
+
+    # --- models and health ----------------------------------------------------------------
+
+    @api.get("/v1/models", response_model=ModelList)
+    async def models(self) -> ModelList:
+        return ModelList(data=await self.model_cards())
 
     @api.get("/v1/stats")
     async def stats(self) -> dict[str, Any]:
@@ -419,7 +481,7 @@ def build_generate_app(args: dict[str, Any] | None = None) -> Application:
     large = build_generator_deployment(parsed.large, "large") if parsed.large else None
     router = build_router_deployment(parsed.router, small, large) if parsed.router else None
     ingress = serve.deployment(GenerateIngress).options(
-        **parsed.ingress.serve_options("generate_ingress")
+        **parsed.ingress.serve_options(GENERATE_INGRESS)
     )
     return ingress.bind(small, large, parsed.model_dump(), router)
 

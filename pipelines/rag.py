@@ -42,12 +42,12 @@ from carpool.http import (
 from carpool.schemas import (
     IngestRequest,
     IngestResponse,
-    ModelCard,
     ModelList,
     SearchHit,
     SearchRequest,
     WireRequest,
 )
+from pipelines.handler import PipelineHandler
 from pipelines.search import DocumentRoutes, retrieve_and_rerank
 
 SYSTEM_PROMPT = (
@@ -268,6 +268,9 @@ def generation_call(
     }
 
 
+# The deployment name other apps find this pipeline by (serve.get_deployment_handle).
+RAG_INGRESS = "rag_ingress"
+
 api = make_api(
     "carpool rag",
     "Retrieval-augmented answers: embed, retrieve, rerank, generate; answers cite documents.",
@@ -297,15 +300,27 @@ def citation_suffix(ids: list[str]) -> str:
     return "\n\nSources: " + ", ".join(f"[{i}]" for i in ids) if ids else ""
 
 
-@serve.ingress(api)
-class RagIngress(DocumentRoutes):
-    """HTTP front of the RAG pipeline; all stages are other apps' deployments."""
+class RagHandler(PipelineHandler):
+    """The RAG pipeline's chat handling; every stage is another app's deployment, by name.
 
-    def __init__(self, args: dict[str, Any]) -> None:
-        self.args = RagArgs.model_validate(args)
-        apply_ingress_defaults(api, self.args.ingress.default_deadline_ms)
+    The rag app's ingress and the OpenAI app (``pipelines.openai_api``) both answer with it,
+    so a request is checked and answered the same whichever URL it came in by.
+    """
+
+    def __init__(self, args: RagArgs, created: int | None = None) -> None:
+        self.args = args
+        self.model_name = args.model_name
         self._handles: dict[str, DeploymentHandle] = {}
-        self.created = int(time.time())
+        self.created = created or int(time.time())
+
+    @classmethod
+    def attach(cls, app: str, settings: dict[str, Any]) -> "RagHandler":
+        """The handler of a running rag app, from its ingress's ``settings()``.
+
+        ``app`` is unused: the stages are the search, rank and generate apps that the rag
+        app's own args name, so both answer with the same deployments.
+        """
+        return cls(RagArgs.model_validate(settings["args"]), settings["created"])
 
     def _handle(self, deployment: str, app: str) -> DeploymentHandle:
         # By name at first use: apps deploy in any order.
@@ -315,7 +330,7 @@ class RagIngress(DocumentRoutes):
         return self._handles[key]
 
     @property
-    def retriever(self) -> DeploymentHandle:  # type: ignore[override]
+    def retriever(self) -> DeploymentHandle:
         return self._handle(self.args.retriever_deployment, self.args.search_app)
 
     def _generator(self) -> DeploymentHandle:
@@ -359,8 +374,7 @@ class RagIngress(DocumentRoutes):
         call = generation_call(body, system, max_tokens, current_controls())
         return hits, call
 
-    @api.post("/v1/chat/completions")
-    async def chat_completions(self, body: RagChatRequest) -> Any:
+    async def chat_response(self, body: RagChatRequest) -> Any:
         hits, call = await self._prepare(body)
         ids = cited_ids(hits)
         headers = {"x-carpool-citations": citations_header(ids)}
@@ -456,6 +470,19 @@ class RagIngress(DocumentRoutes):
                 events.cancel()
         yield "data: [DONE]\n\n"
 
+
+@serve.ingress(api)
+class RagIngress(RagHandler, DocumentRoutes):
+    """HTTP front of the RAG pipeline; all stages are other apps' deployments."""
+
+    def __init__(self, args: dict[str, Any]) -> None:
+        super().__init__(RagArgs.model_validate(args))
+        apply_ingress_defaults(api, self.args.ingress.default_deadline_ms)
+
+    @api.post("/v1/chat/completions")
+    async def chat_completions(self, body: RagChatRequest) -> Any:
+        return await self.chat_response(body)
+
     @api.post("/v1/documents", response_model=IngestResponse)
     async def add_documents(self, body: IngestRequest) -> IngestResponse:
         return await self.add_docs(body)
@@ -470,7 +497,7 @@ class RagIngress(DocumentRoutes):
 
     @api.get("/v1/models", response_model=ModelList)
     async def models(self) -> ModelList:
-        return ModelList(data=[ModelCard(id=self.args.model_name, created=self.created)])
+        return ModelList(data=[self.model_card()])
 
     @api.get("/healthz")
     async def healthz(self) -> dict[str, str]:
@@ -480,7 +507,7 @@ class RagIngress(DocumentRoutes):
 def build_rag_app(args: dict[str, Any] | None = None) -> Application:
     """The RAG pipeline: an ingress over the search, rank and generate apps' deployments."""
     parsed = RagArgs.model_validate(args or {})
-    ingress = serve.deployment(RagIngress).options(**parsed.ingress.serve_options("rag_ingress"))
+    ingress = serve.deployment(RagIngress).options(**parsed.ingress.serve_options(RAG_INGRESS))
     return ingress.bind(parsed.model_dump())
 
 

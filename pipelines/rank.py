@@ -29,7 +29,6 @@ from carpool.schemas import (
     CohereRerankRequest,
     CohereRerankResponse,
     CohereRerankResult,
-    ModelCard,
     ModelList,
     RerankDocument,
     RerankRequest,
@@ -39,6 +38,7 @@ from carpool.schemas import (
 )
 from deployments.ranker import RankerConfig, RankResult, build_ranking_deployment, sigmoid
 from pipelines.embed import check_model
+from pipelines.handler import PipelineHandler
 
 
 class RankArgs(StrictModel):
@@ -54,22 +54,34 @@ class RankArgs(StrictModel):
     )
 
 
+# Deployment names other apps find this pipeline's parts by (serve.get_deployment_handle).
+RANK_INGRESS = "rank_ingress"
+RANKER_DEPLOYMENT = "ranker"
+
 api = make_api(
     "carpool rank", "Rerank documents with length-aware dynamic batching.", MAX_BODY_BYTES
 )
 
 
-@serve.ingress(api)
-class RankIngress:
-    """HTTP front of the rank pipeline: validates, forwards, sorts, formats."""
+class RankHandler(PipelineHandler):
+    """The rank pipeline's request handling over a ranker handle.
 
-    def __init__(self, ranker: DeploymentHandle, args: dict[str, Any]) -> None:
-        self.args = RankArgs.model_validate(args)
-        apply_ingress_defaults(api, self.args.ingress.default_deadline_ms)
+    The rank app's ingress and the OpenAI app (``pipelines.openai_api``) both answer with it,
+    so a request is checked, limited and answered the same whichever URL it came in by.
+    """
+
+    def __init__(self, ranker: DeploymentHandle, args: RankArgs, created: int | None = None):
+        self.args = args
         self.ranker = ranker
-        self.model_name = self.args.ranker.source.served_model_name or "ranker"
-        self.created = int(time.time())
+        self.model_name = args.ranker.source.served_model_name or "ranker"
+        self.created = created or int(time.time())
         self._described: dict[str, Any] | None = None
+
+    @classmethod
+    def attach(cls, app: str, settings: dict[str, Any]) -> "RankHandler":
+        """The handler of a running rank app, from its ingress's ``settings()``."""
+        ranker = serve.get_deployment_handle(RANKER_DEPLOYMENT, app_name=app)
+        return cls(ranker, RankArgs.model_validate(settings["args"]), settings["created"])
 
     async def _score(
         self, query: str, docs: list[str], truncate: bool, top_n: int | None
@@ -101,8 +113,7 @@ class RankIngress:
             order = order[:top_n]
         return result, order
 
-    @api.post("/v1/rerank", response_model=RerankResponse)
-    async def rerank(self, body: RerankRequest) -> JSONResponse:
+    async def rerank_response(self, body: RerankRequest) -> JSONResponse:
         check_model(body.model, self.model_name)
         docs = body.documents
         result, order = await self._score(body.query, docs, body.truncate, body.top_n)
@@ -128,9 +139,8 @@ class RankIngress:
             self._described = await call_backend("ranker", self.ranker.describe.remote())
         return int(self._described["max_length"])
 
-    @api.post("/v2/rerank", response_model=CohereRerankResponse)
-    async def rerank_v2(self, body: CohereRerankRequest) -> JSONResponse:
-        """Cohere's v2 shape: ``results`` of index and relevance score, ``meta`` with units."""
+    async def cohere_rerank_response(self, body: CohereRerankRequest) -> JSONResponse:
+        """The answer to ``POST /v2/rerank`` (what ``cohere.ClientV2`` posts)."""
         check_model(body.model, self.model_name)
         if body.max_tokens_per_doc is not None:
             limit = await self._max_length()
@@ -165,9 +175,27 @@ class RankIngress:
         )
         return JSONResponse(response.model_dump(exclude_none=True))
 
+
+@serve.ingress(api)
+class RankIngress(RankHandler):
+    """HTTP front of the rank pipeline: validates, forwards, sorts, formats."""
+
+    def __init__(self, ranker: DeploymentHandle, args: dict[str, Any]) -> None:
+        super().__init__(ranker, RankArgs.model_validate(args))
+        apply_ingress_defaults(api, self.args.ingress.default_deadline_ms)
+
+    @api.post("/v1/rerank", response_model=RerankResponse)
+    async def rerank(self, body: RerankRequest) -> JSONResponse:
+        return await self.rerank_response(body)
+
+    @api.post("/v2/rerank", response_model=CohereRerankResponse)
+    async def rerank_v2(self, body: CohereRerankRequest) -> JSONResponse:
+        """Cohere's v2 shape: ``results`` of index and relevance score, ``meta`` with units."""
+        return await self.cohere_rerank_response(body)
+
     @api.get("/v1/models", response_model=ModelList)
     async def models(self) -> ModelList:
-        return ModelList(data=[ModelCard(id=self.model_name, created=self.created)])
+        return ModelList(data=[self.model_card()])
 
     @api.get("/v1/stats")
     async def stats(self) -> dict[str, Any]:
@@ -182,8 +210,8 @@ class RankIngress:
 def build_rank_app(args: dict[str, Any] | None = None) -> Application:
     """The rank pipeline: ingress -> ranker."""
     parsed = RankArgs.model_validate(args or {})
-    ranker = build_ranking_deployment(parsed.ranker)
-    ingress = serve.deployment(RankIngress).options(**parsed.ingress.serve_options("rank_ingress"))
+    ranker = build_ranking_deployment(parsed.ranker, RANKER_DEPLOYMENT)
+    ingress = serve.deployment(RankIngress).options(**parsed.ingress.serve_options(RANK_INGRESS))
     # Without the batching knobs, so changing them reconfigures the ranker in place.
     return ingress.bind(ranker, parsed.model_dump(exclude={"ranker": {"batching"}}))
 

@@ -75,6 +75,7 @@ def test_ray_serve_accepts_the_serve_config(serve_config: dict[str, Any]) -> Non
         "search",
         "generate",
         "rag",
+        "openai",
     }
     # Reachable from a Kubernetes Service: not serve.yaml's 127.0.0.1.
     assert schema.http_options.host == "0.0.0.0"

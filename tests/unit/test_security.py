@@ -12,7 +12,7 @@ import yaml
 
 ROOT = Path(__file__).resolve().parents[2]
 SERVING_CODE = ("carpool", "deployments", "pipelines", "router", "dashboards")
-PIPELINES = ("embed", "rank", "search", "rag", "generate")
+PIPELINES = ("embed", "rank", "search", "rag", "generate", "openai_api")
 
 # Shapes of real credentials; a match in a tracked file is a leaked secret.
 SECRET_PATTERNS = {
