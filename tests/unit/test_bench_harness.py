@@ -368,6 +368,14 @@ def test_search_respects_the_probe_budget_and_reports_nothing_passing() -> None:
     assert rate == 0.0 and min(probes) >= 0.5 / 1.6
 
 
+def test_search_steps_down_past_its_budget_until_something_passes() -> None:
+    # 15 -> 10.7 -> 7.7 -> 5.5 all fail; a budget of 4 alone would report "no rate".
+    rate, probes = _search(3.0, 15.0, max_probes=4, growth=1.4)
+    assert 0 < rate <= 3.0 and len(probes) <= 8
+    rate, probes = _search(0.001, 15.0, max_probes=4, growth=1.4)
+    assert rate == 0.0 and len(probes) == 8
+
+
 # --- report ------------------------------------------------------------------------------
 
 
