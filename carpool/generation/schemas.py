@@ -376,6 +376,9 @@ class GenerationCall(BaseModel):
     # From the HTTP request's x-carpool-deadline-ms / x-carpool-priority headers.
     deadline: float | None = None  # time.time() seconds
     priority: Literal["interactive", "batch"] = "interactive"
+    # The router's predicted output length (never from HTTP): an engine with its own
+    # priority queue (vLLM) orders waiting requests by it, shortest first with aging.
+    predicted_tokens: float | None = None
 
     @classmethod
     def from_completion(cls, body: CompletionRequest) -> GenerationCall:
