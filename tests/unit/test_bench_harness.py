@@ -505,6 +505,17 @@ def test_goodput_divides_by_the_capacity_measured_in_its_own_round() -> None:
     assert headline(_paired_results())["figures"]["goodput_3x"]["median"] == pytest.approx(0.5)
 
 
+def test_slowdown_ratio_is_undefined_when_no_system_held_the_bound() -> None:
+    from benchmarks.suite import headline
+
+    results = _paired_results()
+    f = headline(results)["figures"]["slowdown_vs_naive"]
+    assert "undefined" in f and f["median"] is None  # no window says it passed
+    results["slo"]["naive"]["slowdown"]["windows"][1]["passed_slowdown"] = True
+    f = headline(results)["figures"]["slowdown_vs_naive"]
+    assert "undefined" not in f and f["median"] == pytest.approx(2.0)
+
+
 def test_report_writes_headline_json_beside_the_readme(tmp_path: Path) -> None:
     from benchmarks.report import write_readme
     from benchmarks.suite import headline
