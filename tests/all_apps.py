@@ -110,6 +110,15 @@ def app_args(models: dict[str, str], names: dict[str, str]) -> dict[str, dict[st
     }
 
 
+def post_json(url: str, body: dict[str, Any]) -> httpx.Response:
+    return httpx.post(url, json=body, timeout=120)
+
+
+def error_message(response: httpx.Response) -> str:
+    """The message of an OpenAI-shaped error body."""
+    return response.json()["error"]["message"]
+
+
 @contextmanager
 def deploy_all_apps(models: dict[str, str], base: str, prefix: str) -> Iterator[DeployedApps]:
     """Runs the five pipelines (``serve.run``) and deletes them on exit."""

@@ -14,6 +14,8 @@ import pytest
 from ray import serve
 
 from tests.all_apps import DeployedApps, app_args, deploy_all_apps
+from tests.all_apps import error_message as _error
+from tests.all_apps import post_json as _post
 from tests.factories import bert_tokenizer
 
 QUESTION = [{"role": "user", "content": "What colour is the Zorblatt bridge in Quillon?"}]
@@ -37,14 +39,6 @@ def apps(serve_http: str, tiny_models: dict[str, str]) -> Iterator[DeployedApps]
             yield deployed
         finally:
             serve.delete(RAG_SMALL)
-
-
-def _post(url: str, body: dict) -> httpx.Response:
-    return httpx.post(url, json=body, timeout=120)
-
-
-def _error(response: httpx.Response) -> str:
-    return response.json()["error"]["message"]
 
 
 # --- embeddings ------------------------------------------------------------------------------

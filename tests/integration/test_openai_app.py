@@ -13,6 +13,8 @@ import pytest
 from ray import serve
 
 from tests.all_apps import DeployedApps, deploy_all_apps
+from tests.all_apps import error_message as _error
+from tests.all_apps import post_json as _post
 
 OPENAI_APP = "oa-openai"
 QUESTION = [{"role": "user", "content": "What colour is the Zorblatt bridge in Quillon?"}]
@@ -41,14 +43,6 @@ def apps(serve_http: str, tiny_models: dict[str, str]) -> Iterator[tuple[Deploye
             yield deployed, f"{serve_http}/{OPENAI_APP}"
         finally:
             serve.delete(OPENAI_APP)
-
-
-def _post(url: str, body: dict) -> httpx.Response:
-    return httpx.post(url, json=body, timeout=120)
-
-
-def _error(response: httpx.Response) -> str:
-    return response.json()["error"]["message"]
 
 
 def test_models_lists_every_pipelines_models_as_their_own_apps_do(
