@@ -60,3 +60,14 @@ def test_gpu_config_puts_every_model_on_gpu_nodes() -> None:
                     assert resource in gpu_resources, f"{resource} is on no GPU node type"
                 models += 1
     assert models >= 2
+
+
+def test_gpu_config_pins_the_retriever_to_the_one_head_node() -> None:
+    # Its index lives on one node's disk; a retriever scheduled anywhere else opens it empty.
+    config = yaml.safe_load((ROOT / "serve-gpu.yaml").read_text())
+    cluster = yaml.safe_load((ROOT / "cluster.yaml").read_text())
+    types = cluster["available_node_types"]
+    (search,) = [app for app in config["applications"] if "retriever" in app.get("args", {})]
+    pinned = search["args"]["retriever"].get("resources", {})
+    holders = [name for name, t in types.items() if set(pinned) <= set(t.get("resources", {}))]
+    assert pinned and holders == [cluster["head_node_type"]], holders
