@@ -17,6 +17,8 @@ import pytest
 from carpool.errors import RequestError
 from router.choice import CascadePolicy, SmallOutcome
 
+pytest.importorskip("vllm", reason="vLLM is not installed here: make test-vllm")
+
 PROMPTS = [
     "The capital of France is",
     "def fibonacci(n):",

@@ -18,6 +18,8 @@ import pytest
 from router.deployment import RouterServer
 from tests.vllm.conftest import generator_config
 
+pytest.importorskip("vllm", reason="vLLM is not installed here: make test-vllm")
+
 PREFIX = "/vllm-generate"
 APP = "vllm-generate"
 PROMPT = "Once upon a time, in a small village,"
