@@ -331,6 +331,7 @@ class GeneratorServer:
                 "options": cfg.vllm,
                 "dtype": dtype,
                 "bytes_per_token": self.bytes_per_token,
+                "device": device,
             },
         )
 

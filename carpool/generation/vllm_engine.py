@@ -62,6 +62,9 @@ INSTALL_HINT = (
 # request counts this many predicted tokens longer than an interactive one.
 DEFAULT_AGING_TOKENS_PER_S = 50.0
 DEFAULT_TIER_PENALTY_TOKENS = 1000.0
+# KV cache of a CPU engine when the config gives none (GiB): what the vLLM peer measurements
+# used (benchmarks/peers.py), room for 16 x 2048-token SmolLM2 sequences many times over.
+DEFAULT_CPU_KV_GIB = 4
 
 
 class VllmNotInstalled(ImportError):
@@ -89,7 +92,9 @@ class VllmOptions(StrictModel):
         le=1.0,
         description="Fraction of the GPU's memory this engine may take for weights, "
         "activations and KV cache. Two models on one GPU (num_gpus: 0.5 each) need values "
-        "that add up to below 1. Ignored on CPU (see cpu_kvcache_space_gib).",
+        "that add up to below 1. On CPU vLLM reads it as the fraction of the node's memory "
+        "to reserve, but only when no KV size is given, and carpool always gives one there "
+        "(cpu_kvcache_space_gib).",
     )
     max_model_len: int | None = Field(
         default=None,
@@ -159,7 +164,8 @@ class VllmOptions(StrictModel):
         ge=1,
         le=4096,
         description="CPU backend only: KV cache size in GiB (VLLM_CPU_KVCACHE_SPACE). "
-        "Default: vLLM's (4 GiB on this build).",
+        f"Default {DEFAULT_CPU_KV_GIB}: without it vLLM-CPU reserves gpu_memory_utilization "
+        "(0.9) of the node's memory and refuses to start beside other replicas.",
     )
     cpu_omp_threads_bind: str | None = Field(
         default=None,
@@ -238,11 +244,11 @@ def engine_args(
     return args
 
 
-def engine_env(options: VllmOptions) -> dict[str, str]:
+def engine_env(options: VllmOptions, device: str = "cpu") -> dict[str, str]:
     """Environment the engine-core process reads at start (CPU backend knobs)."""
     env = {"VLLM_NO_USAGE_STATS": "1"}  # nothing in a replica may phone home
-    if options.cpu_kvcache_space_gib is not None:
-        env["VLLM_CPU_KVCACHE_SPACE"] = str(options.cpu_kvcache_space_gib)
+    if not device.startswith("cuda"):
+        env["VLLM_CPU_KVCACHE_SPACE"] = str(options.cpu_kvcache_space_gib or DEFAULT_CPU_KV_GIB)
     if options.cpu_omp_threads_bind is not None:
         env["VLLM_CPU_OMP_THREADS_BIND"] = options.cpu_omp_threads_bind
     return env
@@ -343,10 +349,12 @@ class VllmEngine(GenerationEngine):
         max_seq_len: int,
         dtype: str = "float32",
         bytes_per_token: int = 0,
+        device: str = "cpu",
     ) -> None:
         import_vllm()  # fail here, with the install hint, before any thread starts
         super().__init__(tokenizer, limits, max_seq_len)
         self.options = options
+        self.device = device
         self.bytes_per_token = bytes_per_token
         # vLLM fixes its sequence cap at start; carpool's limits follow it (admission).
         self.engine_max_num_seqs = options.max_num_seqs or limits.max_num_seqs
@@ -376,7 +384,7 @@ class VllmEngine(GenerationEngine):
         from vllm.engine.arg_utils import AsyncEngineArgs
         from vllm.v1.engine.async_llm import AsyncLLM
 
-        os.environ.update(engine_env(self.options))  # read by the engine-core process
+        os.environ.update(engine_env(self.options, self.device))  # read by the engine-core process
         self.llm = AsyncLLM.from_engine_args(
             AsyncEngineArgs(**self.args), stat_loggers=[_stat_logger_factory(self)]
         )
@@ -666,6 +674,9 @@ def make_vllm_engine(
     max_seq_len: int,
     dtype: str,
     bytes_per_token: int = 0,
+    device: str = "cpu",
 ) -> VllmEngine:
     """Builds a ``VllmEngine`` (``make_engine`` calls it for mode 'vllm')."""
-    return VllmEngine(model_path, options, tokenizer, limits, max_seq_len, dtype, bytes_per_token)
+    return VllmEngine(
+        model_path, options, tokenizer, limits, max_seq_len, dtype, bytes_per_token, device
+    )

@@ -90,8 +90,11 @@ def test_engine_args_map_the_options() -> None:
     assert "max_num_batched_tokens" not in fcfs
 
 
-def test_engine_env_sets_only_what_is_asked() -> None:
-    assert engine_env(VllmOptions()) == {"VLLM_NO_USAGE_STATS": "1"}
+def test_engine_env_sizes_the_cpu_kv_cache_always() -> None:
+    # Without a KV size vLLM-CPU reserves 0.9 of the node's memory and refuses to start
+    # beside anything else ("Available memory on node 0 ... is less than desired").
+    assert engine_env(VllmOptions())["VLLM_CPU_KVCACHE_SPACE"] == "4"
+    assert engine_env(VllmOptions(), "cuda") == {"VLLM_NO_USAGE_STATS": "1"}
     env = engine_env(VllmOptions(cpu_kvcache_space_gib=2, cpu_omp_threads_bind="0"))
     assert env["VLLM_CPU_KVCACHE_SPACE"] == "2"
     assert env["VLLM_CPU_OMP_THREADS_BIND"] == "0"
