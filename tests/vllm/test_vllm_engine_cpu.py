@@ -264,3 +264,47 @@ def test_engine_stats_feed_the_metrics_listener(vllm_server: Any) -> None:
     (seq,) = finished
     assert seq.first_token_at is not None and seq.finished_at is not None
     assert len(seq.output_ids) == 12 and seq.finish_reason == "length"
+
+
+def test_priority_puts_the_shorter_prediction_first_inside_vllm(vllm_server: Any) -> None:
+    """With every slot busy, a later request predicted short is admitted before an earlier
+    one predicted long: vLLM's own waiting queue applies carpool's priority."""
+    from carpool.generation.engine import GenSequence
+    from carpool.generation.sampling import SamplingParams
+
+    engine = vllm_server.engine
+    assert engine.args["scheduling_policy"] == "priority"
+    ids = vllm_server.tokenizer("Tell me a story")["input_ids"]
+    done: list[int] = []
+
+    def sink(event: Any) -> None:
+        if event.finish_reason is not None:
+            done.append(event.index)
+
+    slots = engine.engine_max_num_seqs
+    # Fillers of different lengths, so slots free one step apart, not all at once.
+    fillers = [
+        GenSequence(ids, SamplingParams(max_tokens=30 + 2 * i, ignore_eos=True), sink, index=i)
+        for i in range(slots)
+    ]
+    engine.submit(fillers)
+    deadline = time.monotonic() + 60
+    while any(f.first_token_at is None for f in fillers):
+        assert time.monotonic() < deadline, "fillers never all started"
+        time.sleep(0.02)
+    long = GenSequence(
+        ids, SamplingParams(max_tokens=4, ignore_eos=True), sink, index=100, predicted_tokens=500
+    )
+    engine.submit([long])
+    time.sleep(0.2)  # the long one is surely queued first
+    short = GenSequence(
+        ids, SamplingParams(max_tokens=4, ignore_eos=True), sink, index=101, predicted_tokens=5
+    )
+    engine.submit([short])
+    while not (long.finished and short.finished):
+        assert time.monotonic() < deadline, "the queued requests never finished"
+        time.sleep(0.02)
+    assert short.first_token_at is not None and long.first_token_at is not None
+    assert short.first_token_at < long.first_token_at, (
+        f"short started {short.first_token_at - long.first_token_at:+.3f} s after long"
+    )
