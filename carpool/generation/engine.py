@@ -246,12 +246,7 @@ class GenerationEngine(ABC):
 
     def submit(self, seqs: Sequence[GenSequence]) -> None:
         """Queues sequences; they are admitted at the engine's next step."""
-        for seq in seqs:
-            if seq.num_prompt_tokens + seq.params.max_tokens > self.max_seq_len:
-                raise ValueError(
-                    f"prompt ({seq.num_prompt_tokens} tokens) + max_tokens "
-                    f"({seq.params.max_tokens}) exceeds max_seq_len {self.max_seq_len}"
-                )
+        check_fits(seqs, self.max_seq_len)
         with self._cond:
             if self._closed:
                 raise RuntimeError("engine is closed")
@@ -787,6 +782,16 @@ class StaticEngine(GenerationEngine):
         for seq in self.batch + self.waiting + self._take_inbox(block=False):
             self._finish_now(seq, "error", reason)
         self.batch, self.waiting = [], []
+
+
+def check_fits(seqs: Sequence[GenSequence], max_seq_len: int) -> None:
+    """Refuses, before any is queued, a sequence whose prompt plus max_tokens cannot fit."""
+    for seq in seqs:
+        if seq.num_prompt_tokens + seq.params.max_tokens > max_seq_len:
+            raise ValueError(
+                f"prompt ({seq.num_prompt_tokens} tokens) + max_tokens "
+                f"({seq.params.max_tokens}) exceeds max_seq_len {max_seq_len}"
+            )
 
 
 def make_engine(

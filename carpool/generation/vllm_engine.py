@@ -44,7 +44,13 @@ from typing import Any, Literal
 from pydantic import Field, model_validator
 
 from carpool.config import StrictModel
-from carpool.generation.engine import GenerationEngine, GenSequence, StepRecord, TokenizerInfo
+from carpool.generation.engine import (
+    GenerationEngine,
+    GenSequence,
+    StepRecord,
+    TokenizerInfo,
+    check_fits,
+)
 from carpool.generation.sampling import SamplingParams
 from carpool.generation.scheduler import SchedulerLimits
 
@@ -416,12 +422,7 @@ class VllmEngine(GenerationEngine):
     # --- called from any thread -----------------------------------------------------------
 
     def submit(self, seqs: Sequence[GenSequence]) -> None:
-        for seq in seqs:
-            if seq.num_prompt_tokens + seq.params.max_tokens > self.max_seq_len:
-                raise ValueError(
-                    f"prompt ({seq.num_prompt_tokens} tokens) + max_tokens "
-                    f"({seq.params.max_tokens}) exceeds max_seq_len {self.max_seq_len}"
-                )
+        check_fits(seqs, self.max_seq_len)
         with self._cond:
             if self._closed:
                 raise RuntimeError("engine is closed")
