@@ -1,4 +1,4 @@
-"""``python -m carpool.generation.compare``: continuous vs static batching, measured.
+"""``python -m carpool.generation.compare``: the generation engines side by side, measured.
 
 Runs the same workload through a ``GeneratorServer`` in each mode, in this process (the
 code a replica runs, minus HTTP): ``--concurrency`` clients each send requests back to back
@@ -67,11 +67,12 @@ async def run_mode(server: Any, requests: list[dict[str, Any]], concurrency: int
                 window["end_s"] = time.perf_counter()
                 window["end_tokens"] = server.stats()["tokens_generated"]
             start = time.perf_counter()
-            first = None
+            first = last = None
             tokens = 0
             async for event in server.stream(call):
-                if event["type"] == "delta" and first is None:
-                    first = time.perf_counter()
+                if event["type"] == "delta":
+                    last = time.perf_counter()
+                    first = first or last
                 if event["type"] == "end":
                     tokens = event["completion_tokens"]
             end = time.perf_counter()
@@ -79,6 +80,8 @@ async def run_mode(server: Any, requests: list[dict[str, Any]], concurrency: int
                 {
                     "latency_s": end - start,
                     "ttft_s": (first or end) - start,
+                    # Time per output token after the first, as the client sees deltas arrive.
+                    "tpot_s": ((last or end) - (first or end)) / max(tokens - 1, 1),
                     "tokens": tokens,
                     "max_tokens": call["max_tokens"],
                 }
@@ -92,6 +95,7 @@ async def run_mode(server: Any, requests: list[dict[str, Any]], concurrency: int
     stats = server.stats()
     tokens = sum(r["tokens"] for r in records)
     latencies = sorted(r["latency_s"] for r in records)
+    tpots = sorted(r["tpot_s"] for r in records if r["tokens"] > 1)
     steps = stats["steps"] - stats_before["steps"]
     return {
         "requests": len(records),
@@ -105,6 +109,8 @@ async def run_mode(server: Any, requests: list[dict[str, Any]], concurrency: int
         "latency_p50_s": statistics.median(latencies),
         "latency_p90_s": latencies[min(len(latencies) - 1, int(0.9 * len(latencies)))],
         "ttft_p50_s": statistics.median(r["ttft_s"] for r in records),
+        "tpot_p50_ms": 1000 * statistics.median(tpots) if tpots else 0.0,
+        "tpot_p90_ms": 1000 * tpots[min(len(tpots) - 1, int(0.9 * len(tpots)))] if tpots else 0.0,
         "engine_steps": steps,
         "tokens_per_step": tokens / steps if steps else 0.0,
         "prefill_s": stats["prefill_s"] - stats_before["prefill_s"],
@@ -194,7 +200,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--modes",
         default="continuous,static",
-        help="any of continuous, static, transformers (transformers' own continuous batching)",
+        help="any of continuous, static, vllm (needs vLLM installed: make vllm-venv), "
+        "transformers (transformers' own continuous batching)",
     )
     parser.add_argument("--requests", type=int, default=64)
     parser.add_argument("--rounds", type=int, default=1, help="alternating rounds per mode")
@@ -273,6 +280,7 @@ def main(argv: list[str] | None = None) -> int:
         ("latency_p50_s", "{:.2f}"),
         ("latency_p90_s", "{:.2f}"),
         ("ttft_p50_s", "{:.2f}"),
+        ("tpot_p50_ms", "{:.0f}"),
         ("tokens_per_step", "{:.1f}"),
     ]
     rows = [

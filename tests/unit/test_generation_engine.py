@@ -499,3 +499,19 @@ def test_server_refuses_only_what_would_wait_past_its_bound_or_deadline(tiny):
     assert over.code == "overloaded" and over.retry_after_s
     assert isinstance(late, RequestError) and late.status_code == 504, late
     assert late.code == "deadline_unmeetable"
+
+
+def test_engine_comparison_reports_what_each_client_saw(tiny):
+    from carpool.generation.compare import run_mode, workload
+
+    server = server_for(tiny)
+    try:
+        requests = workload(6, 2, 12, seed=0)
+        result = run(run_mode(server, requests, concurrency=3))
+    finally:
+        server.close()
+    assert result["requests"] == 6
+    assert result["output_tokens"] == sum(r["max_tokens"] for r in requests)  # ignore_eos
+    # Each sequence's decode time over its tokens after the first: positive, and not more
+    # than a whole request's latency.
+    assert 0 < result["tpot_p50_ms"] <= result["tpot_p90_ms"] <= 1000 * result["latency_p90_s"]
