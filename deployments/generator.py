@@ -238,6 +238,12 @@ class ArrivalCollector:
                 seq.sink(SeqEvent(seq.index, finish_reason="error", error=str(exc)))
 
 
+def kv_bytes_per_token(model_config: Any, itemsize: int) -> int:
+    """KV cache bytes one token takes: keys and values, every layer, every KV head."""
+    layers, kv_heads, head_dim = kv_geometry(model_config)
+    return 2 * layers * kv_heads * head_dim * itemsize
+
+
 class GeneratorServer:
     """Plain-Python generator server; tests use it without Ray."""
 
@@ -250,6 +256,9 @@ class GeneratorServer:
             else GeneratorConfig.model_validate(config or {})
         )
         cfg = self.config
+        self.name = cfg.source.served_model_name or "generator"
+        self.batching = cfg.batching
+        self._collector: ArrivalCollector | None = None
         if cfg.mode == "vllm":
             self._init_vllm(tokenizer)
             return
@@ -265,19 +274,16 @@ class GeneratorServer:
             ).to(device)
         self.model = model.eval()
         self.tokenizer = tokenizer
-        self.name = cfg.source.served_model_name or "generator"
         self.max_seq_len = self._max_seq_len()
-        layers, kv_heads, head_dim = kv_geometry(self.model.config)
-        itemsize = next(self.model.parameters()).element_size()
-        self.bytes_per_token = 2 * layers * kv_heads * head_dim * itemsize
-        self.batching = cfg.batching
+        self.bytes_per_token = kv_bytes_per_token(
+            self.model.config, next(self.model.parameters()).element_size()
+        )
         check_kv_budget(
             cfg.batching.max_num_seqs,
             self.max_seq_len,
             self.bytes_per_token,
             cfg.limits.max_kv_cache_mb,
         )
-        self._collector: ArrivalCollector | None = None
         # Token ids to text for logprobs (special tokens kept: every token gets an entry).
         self.token_texts = TokenTexts(lambda ids: tokenizer.decode(ids))
         self.engine: GenerationEngine = make_engine(
@@ -303,15 +309,10 @@ class GeneratorServer:
         self.tokenizer = tokenizer or AutoTokenizer.from_pretrained(path)
         self.model = None
         model_config = AutoConfig.from_pretrained(path)
-        self.name = cfg.source.served_model_name or "generator"
         self.max_seq_len = cfg.vllm.max_model_len or self._max_seq_len(model_config)
         device = pick_device(cfg.source.device)
         dtype = resolve_dtype(cfg.vllm.dtype, cfg.source.dtype, device)
-        layers, kv_heads, head_dim = kv_geometry(model_config)
-        itemsize = 4 if dtype == "float32" else 2
-        self.bytes_per_token = 2 * layers * kv_heads * head_dim * itemsize
-        self.batching = cfg.batching
-        self._collector = None
+        self.bytes_per_token = kv_bytes_per_token(model_config, 4 if dtype == "float32" else 2)
         self.token_texts = TokenTexts(lambda ids: self.tokenizer.decode(ids))
         generation_config = None
         try:
