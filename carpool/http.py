@@ -18,7 +18,7 @@ from typing import Any, TypeVar
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse
+from fastapi.responses import JSONResponse, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from carpool.admission import (
@@ -45,6 +45,24 @@ _ERROR_TYPES = {
     503: "service_unavailable",
     504: "timeout_error",
 }
+
+
+class ClosingStreamingResponse(StreamingResponse):
+    """A ``StreamingResponse`` that closes its body iterator however the stream ends.
+
+    When the client leaves, Starlette cancels the response task wherever it is. If that is
+    inside ``send()``, the iterator stays suspended at its ``yield`` and its ``finally`` (which
+    cancels the backend's generation) runs only when the garbage collector reaches it: the
+    generator keeps a slot busy for seconds, or to ``max_tokens``.
+    """
+
+    async def stream_response(self, send: Any) -> None:
+        try:
+            await super().stream_response(send)
+        finally:
+            aclose = getattr(self.body_iterator, "aclose", None)
+            if aclose is not None:
+                await aclose()
 
 
 def error_response(

@@ -13,7 +13,7 @@ import logging
 from collections.abc import AsyncIterator, Callable
 from typing import Any, Literal
 
-from fastapi.responses import JSONResponse, StreamingResponse
+from fastapi.responses import JSONResponse
 from pydantic import Field
 from ray import serve
 from ray.serve.deployment import Application
@@ -42,6 +42,7 @@ from carpool.generation.schemas import (
 )
 from carpool.http import (
     MAX_BODY_BYTES,
+    ClosingStreamingResponse,
     apply_ingress_defaults,
     call_backend,
     current_controls,
@@ -365,7 +366,7 @@ class GenerateHandler(PipelineHandler):
         handle: DeploymentHandle,
         call: dict[str, Any],
         fmt: Callable[[dict[str, Any]], list[dict[str, Any]]],
-    ) -> StreamingResponse:
+    ) -> ClosingStreamingResponse:
         events = handle.options(stream=True).stream.remote(call)
         # The first event comes after the replica validated and queued the request, so bad
         # input still gets a plain 4xx response rather than an error inside a 200 stream.
@@ -376,7 +377,7 @@ class GenerateHandler(PipelineHandler):
             raise
         headers = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
         headers.update(decision_headers(first.get("carpool")))
-        return StreamingResponse(
+        return ClosingStreamingResponse(
             self._sse(tier, first, events, fmt), media_type="text/event-stream", headers=headers
         )
 

@@ -16,7 +16,7 @@ from collections.abc import AsyncIterator
 from typing import Any, Literal
 from urllib.parse import quote
 
-from fastapi.responses import JSONResponse, StreamingResponse
+from fastapi.responses import JSONResponse
 from pydantic import Field, field_validator, model_validator
 from ray import serve
 from ray.serve.deployment import Application
@@ -33,6 +33,7 @@ from carpool.generation.schemas import (
 )
 from carpool.http import (
     MAX_BODY_BYTES,
+    ClosingStreamingResponse,
     apply_ingress_defaults,
     call_backend,
     current_controls,
@@ -379,7 +380,7 @@ class RagHandler(PipelineHandler):
         ids = cited_ids(hits)
         headers = {"x-carpool-citations": citations_header(ids)}
         if body.stream:
-            return StreamingResponse(
+            return ClosingStreamingResponse(
                 self._stream(call, ids, body.include_usage()),
                 media_type="text/event-stream",
                 headers=headers,
