@@ -8,9 +8,10 @@ Two pure pieces and one small piece of machinery, none of which import Ray:
   pass. Every pass pads to its longest item, so sorting by length and cutting at the right
   places keeps padding small while keeping passes large.
 - ``LengthAwareExecutor``: owns the model. Batches handed over by ``@serve.batch`` (or by
-  direct calls) queue here; whenever the model is free, everything waiting is merged, sorted,
-  split and run. Batches that arrive while a forward pass runs therefore merge into the next
-  step instead of being run one small batch after another.
+  direct calls) queue here; whenever the model is free, everything waiting is merged, sorted
+  and split, and the most urgent of those passes runs. After every pass the plan is made
+  again with whatever arrived meanwhile, so a short request never waits behind the rest of a
+  long one's passes, and new arrivals still merge into full passes under load.
 """
 
 from __future__ import annotations
@@ -198,12 +199,14 @@ class Job(Generic[P, R]):
     rank: int = 0  # priority tier: lower is taken first (0 interactive, 1 batch)
     counted_drop: bool = False
     controls: Any = None  # the request's RequestControls, for admission
+    unplanned: list[int] = field(default_factory=list)  # items not yet given to a pass
 
     def __post_init__(self) -> None:
         if len(self.payloads) != len(self.lengths):
             raise ValueError("a job needs one length per payload")
         self.results = [None] * len(self.payloads)
         self.remaining = len(self.payloads)
+        self.unplanned = list(range(len(self.payloads)))
 
     @property
     def total_tokens(self) -> int:
@@ -219,7 +222,7 @@ class PassRecord:
     padded_tokens: int
     forward_ms: float
     queue_wait_ms: list[float]
-    step_items: int  # items merged into the step this pass belongs to
+    step_items: int  # items in the plan this pass was chosen from
 
 
 class PassListener(Protocol):
@@ -281,6 +284,14 @@ class LengthAwareExecutor(Generic[P, R]):
     ``forward(payloads) -> results`` is blocking (a model call) and runs in a worker thread so
     the replica's event loop keeps collecting requests meanwhile. If a pass fails, its items
     are retried one by one so only the item that really fails takes its job down.
+
+    Which pass runs next: every waiting item is planned into passes by the splitter, and the
+    pass holding the most urgent item runs. Urgency is the priority tier, then the earlier of
+    "arrival + the job's own cost on an idle model" (``estimate_ms``) and "the client's
+    deadline - that cost". So a job is served about as soon as it would be alone, a short job
+    does not wait behind a long one's later passes, and a long one overtakes newer short ones
+    once it has waited its own cost (no starvation). Before ``estimate_ms`` knows the model,
+    every cost reads 0 and the order is first come, first served.
     """
 
     def __init__(
@@ -289,10 +300,13 @@ class LengthAwareExecutor(Generic[P, R]):
         splitter: BatchSplitter,
         max_step_items: int = 1024,
         listeners: Sequence[PassListener] = (),
+        estimate_ms: Callable[[int, int], float] | None = None,
     ) -> None:
         self._forward = forward
         self.splitter = splitter
         self.max_step_items = max_step_items
+        # (items, tokens) -> ms one job takes on an idle model; the server wires its cost model.
+        self.estimate_ms: Callable[[int, int], float] = estimate_ms or (lambda items, tokens: 0.0)
         self.stats = BatchStats()
         self.listeners: list[PassListener] = [self.stats, *listeners]
         self._waiting: list[Job[P, R]] = []
@@ -372,26 +386,44 @@ class LengthAwareExecutor(Generic[P, R]):
             return True
         return False
 
-    def _take_step(self) -> list[Job[P, R]]:
-        """Interactive before batch, oldest first, up to ``max_step_items`` items.
+    def urgency(self, job: Job[P, R]) -> tuple[int, float]:
+        """Sort key of a job: tier first, then when it should start (monotonic seconds)."""
+        own_s = self.estimate_ms(len(job.lengths), job.total_tokens) / 1000
+        due = job.created + own_s
+        if job.deadline is not None:
+            due = min(due, job.deadline - own_s)
+        return job.rank, due
 
-        Always at least one job. Jobs whose client left or whose deadline passed leave here,
-        before any compute is spent on them.
+    def _plan(self) -> tuple[list[tuple[Job[P, R], int]], int]:
+        """The next pass, as (job, item) pairs, and how many items it was chosen from.
+
+        Jobs whose client left or whose deadline passed leave here, before any compute is
+        spent on them. The most urgent jobs, up to ``max_step_items`` items (always at least
+        one job), are split into passes; the pass with the most urgent item is returned.
         """
-        taken: list[Job[P, R]] = []
-        count = 0
         now = time.monotonic()
-        self._waiting.sort(key=lambda j: j.rank)  # stable: arrival order within a tier
-        while self._waiting:
-            job = self._waiting[0]
-            if self._gone(job, now):
-                self._waiting.pop(0)
-                continue
-            if taken and count + job.remaining > self.max_step_items:
+        live: list[tuple[tuple[int, float], Job[P, R]]] = []
+        for job in self._waiting:
+            if not self._gone(job, now):
+                live.append((self.urgency(job), job))
+        live.sort(key=lambda pair: pair[0])  # stable: arrival order among equals
+        self._waiting = [job for _, job in live]
+        refs: list[tuple[Job[P, R], int]] = []
+        keys: list[tuple[int, float]] = []
+        for key, job in live:
+            if refs and len(refs) + len(job.unplanned) > self.max_step_items:
                 break
-            taken.append(self._waiting.pop(0))
-            count += job.remaining
-        return taken
+            refs.extend((job, i) for i in job.unplanned)
+            keys.extend(key for _ in job.unplanned)
+        if not refs:
+            return [], 0
+        groups = self.splitter.split([job.lengths[i] for job, i in refs])
+        chosen = min((g for g in groups if g), key=lambda g: min(keys[k] for k in g))
+        taken = [refs[k] for k in chosen]
+        for job, i in taken:
+            job.unplanned.remove(i)
+        self._waiting = [job for job in self._waiting if job.unplanned]
+        return taken, len(refs)
 
     async def _loop(self) -> None:
         assert self._wakeup is not None
@@ -400,55 +432,43 @@ class LengthAwareExecutor(Generic[P, R]):
                 self._wakeup.clear()
                 await self._wakeup.wait()
                 continue
-            jobs = self._take_step()
-            if jobs:
-                await self._run_step(jobs)
+            taken, planned = self._plan()
+            if taken:
+                self.stats.steps += 1
+                await self._run_pass(taken, planned)
 
-    async def _run_step(self, jobs: list[Job[P, R]]) -> None:
-        self.stats.steps += 1
-        refs = [(job, i) for job in jobs for i in range(len(job.payloads))]
+    async def _run_pass(self, refs: list[tuple[Job[P, R], int]], planned: int) -> None:
         lengths = [job.lengths[i] for job, i in refs]
-        step_items = len(refs)
-        for group in self.splitter.split(lengths):
-            # Skip items whose job was cancelled, failed or ran out of time while earlier
-            # passes ran.
-            now = time.monotonic()
-            step_jobs = {id(j): j for j, _ in refs}
-            gone = {key: self._gone(job, now) for key, job in step_jobs.items()}
-            live = [k for k in group if not gone[id(refs[k][0])]]
-            if not live:
-                continue
-            started = time.monotonic()
-            waits = [(started - refs[k][0].created) * 1000 for k in live]
-            payloads = [refs[k][0].payloads[refs[k][1]] for k in live]
+        started = time.monotonic()
+        waits = [(started - job.created) * 1000 for job, _ in refs]
+        payloads = [job.payloads[i] for job, i in refs]
+        try:
+            results = await asyncio.to_thread(self._forward, payloads)
+            if len(results) != len(payloads):
+                raise RuntimeError(
+                    f"forward returned {len(results)} results for {len(payloads)} inputs"
+                )
+            outcome: list[R | BaseException] = list(results)
+        except Exception:
+            outcome = await self._one_by_one(payloads)
+        forward_ms = (time.monotonic() - started) * 1000
+        record = PassRecord(
+            items=len(refs),
+            real_tokens=sum(lengths),
+            padded_tokens=len(refs) * max(lengths),
+            forward_ms=forward_ms,
+            queue_wait_ms=waits,
+            step_items=planned,
+        )
+        for listener in self.listeners:
             try:
-                results = await asyncio.to_thread(self._forward, payloads)
-                if len(results) != len(payloads):
-                    raise RuntimeError(
-                        f"forward returned {len(results)} results for {len(payloads)} inputs"
-                    )
-                outcome: list[R | BaseException] = list(results)
+                listener.on_pass(record)
             except Exception:
-                outcome = await self._one_by_one(payloads)
-            forward_ms = (time.monotonic() - started) * 1000
-            record = PassRecord(
-                items=len(live),
-                real_tokens=sum(lengths[k] for k in live),
-                padded_tokens=len(live) * max(lengths[k] for k in live),
-                forward_ms=forward_ms,
-                queue_wait_ms=waits,
-                step_items=step_items,
-            )
-            for listener in self.listeners:
-                try:
-                    listener.on_pass(record)
-                except Exception:
-                    # A broken metrics hook must not end the worker: every request it had taken
-                    # would then wait out its deadline unanswered.
-                    logger.exception("a pass listener failed; the pass's results go out anyway")
-            for k, result in zip(live, outcome, strict=True):
-                job, i = refs[k]
-                self._deliver(job, i, result)
+                # A broken metrics hook must not end the worker: every request it had taken
+                # would then wait out its deadline unanswered.
+                logger.exception("a pass listener failed; the pass's results go out anyway")
+        for (job, i), result in zip(refs, outcome, strict=True):
+            self._deliver(job, i, result)
 
     async def _one_by_one(self, payloads: list[P]) -> list[R | BaseException]:
         out: list[R | BaseException] = []

@@ -33,7 +33,11 @@ BATCH_METRICS: dict[str, tuple[str, str, list[float] | None]] = {
         "Share of computed tokens that were padding, since the replica started.",
         None,
     ),
-    "carpool_step_items": ("histogram", "Items merged into one scheduling step.", ITEM_BUCKETS),
+    "carpool_step_items": (
+        "histogram",
+        "Items the executor planned from when it chose a pass (the queue it saw).",
+        ITEM_BUCKETS,
+    ),
     "carpool_queue_wait_ms": (
         "histogram",
         "Time from a request's arrival at the replica to the start of its forward pass.",

@@ -68,6 +68,7 @@ class BatchedModelServer(Generic[P, R]):
             max_pass_items=batching.max_batch_size, max_pass_tokens=batching.max_batch_tokens
         )
         self.executor.listeners.append(_CostListener(self.cost))
+        self.executor.estimate_ms = self.cost.estimate_ms  # urgency: a job's own cost
         self.executor.listeners.append(_HeapTrimmer())
         self.admission_limits = AdmissionLimits(0, None, 1.0)
         self._apply_admission(batching)

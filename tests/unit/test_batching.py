@@ -179,6 +179,66 @@ def test_oversized_job_is_split_into_budgeted_passes() -> None:
     assert all(len(c) * max(c) <= 100 for c in model.calls)
 
 
+def _half_ms_per_token(items: int, tokens: int) -> float:
+    return 0.5 * tokens
+
+
+def test_a_short_job_arriving_mid_plan_runs_before_a_long_jobs_later_passes() -> None:
+    """Re-planned after every pass: the newcomer waits for one pass, not the long job's rest."""
+    model = _RecordingModel(delay=0.05)
+    limits = BatchLimits(64, 4096)
+    executor = LengthAwareExecutor(
+        model, OptimalSplitter(4096, 1, 0), estimate_ms=_half_ms_per_token
+    )
+
+    async def main() -> None:
+        long = asyncio.create_task(executor.run_one(_job([100, 101, 102, 103], limits)))
+        await asyncio.sleep(0.02)  # the long job's first pass is running
+        short = asyncio.create_task(executor.run_one(_job([4], limits)))
+        await asyncio.gather(long, short)
+
+    asyncio.run(main())
+    assert [c[0] for c in model.calls] == [100, 4, 101, 102, 103]
+
+
+def test_a_long_job_that_waited_its_own_cost_goes_before_newer_short_ones() -> None:
+    """No starvation: urgency is arrival + own cost, so waiting makes any job urgent."""
+
+    def order(long_waited_s: float) -> list[int]:
+        model = _RecordingModel()
+        limits = BatchLimits(64, 4096)
+        executor = LengthAwareExecutor(
+            model, OptimalSplitter(4096, 1, 0), estimate_ms=_half_ms_per_token
+        )
+        now = time.monotonic()
+        long = Job([200], [200], limits, created=now - long_waited_s)  # costs 100 ms alone
+        short = [Job([v], [v], limits, created=now) for v in (4, 5)]
+        asyncio.run(executor.run([*short, long]))
+        return [c[0] for c in model.calls]
+
+    assert order(long_waited_s=0.0) == [4, 5, 200]
+    assert order(long_waited_s=0.3) == [200, 4, 5]
+
+
+def test_a_client_deadline_tighter_than_the_own_cost_rule_moves_a_job_up() -> None:
+    def order(deadline_in_s: float | None) -> list[int]:
+        model = _RecordingModel()
+        limits = BatchLimits(64, 4096)
+        executor = LengthAwareExecutor(
+            model, OptimalSplitter(4096, 1, 0), estimate_ms=lambda items, tokens: tokens
+        )
+        now = time.monotonic()
+        other = Job([150], [150], limits, created=now)  # due at now + 150 ms
+        job = Job([200], [200], limits, created=now)  # due at now + 200 ms by its own cost
+        if deadline_in_s is not None:
+            job.deadline = now + deadline_in_s  # must start by the deadline - 200 ms
+        asyncio.run(executor.run([other, job]))
+        return [c[0] for c in model.calls]
+
+    assert order(None) == [150, 200]
+    assert order(0.3) == [200, 150]
+
+
 def test_cancelling_one_job_of_a_collected_batch_spares_the_others() -> None:
     model = _RecordingModel(delay=0.1)
     limits = BatchLimits(64, 4096)
