@@ -107,8 +107,10 @@ def carpool_embed_args(resources: Resources, batching: dict[str, Any] | None = N
     """``pipelines.embed`` args: serve.yaml's embed entry, with the common resources applied.
 
     Reading serve.yaml means the benchmark measures what ships; ``batching`` overrides the
-    knobs for tuning experiments.
+    knobs for tuning experiments (its ``ingress`` key, if any, the ingress's settings).
     """
+    batching = dict(batching or {})
+    ingress_knobs = batching.pop("ingress", {})
     args, user_config = serve_yaml_embed()
     embedder = dict(args.get("embedder") or {})
     source = dict(embedder.get("source") or {})
@@ -125,7 +127,7 @@ def carpool_embed_args(resources: Resources, batching: dict[str, Any] | None = N
     args["embedder"] = embedder
     ingress = dict(args.get("ingress") or {})
     ingress["num_cpus"] = resources.ingress_num_cpus
-    args["ingress"] = ingress
+    args["ingress"] = {**ingress, **ingress_knobs}
     return args
 
 

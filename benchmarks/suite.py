@@ -75,8 +75,9 @@ class SuiteConfig(BaseModel):
     )
     variants: dict[str, dict[str, Any]] = Field(
         default_factory=dict,
-        description="Extra carpool deployments 'carpool-<name>' with these batching overrides, "
-        "measured in the same run (for tuning).",
+        description="Extra carpool deployments 'carpool-<name>' with these batching overrides "
+        "(an 'ingress' key: the ingress's settings), measured in the same run (for tuning); "
+        "the goodput phase measures them beside carpool.",
     )
     phases: list[Phase] = Field(
         default_factory=lambda: list(DEFAULT_PHASES),
@@ -582,6 +583,7 @@ class Suite:
     async def goodput(self) -> None:
         c = self.config
         names = [n for n in c.goodput_systems if n in self.eps]
+        names += [f"carpool-{v}" for v in c.variants if "carpool" in names]
         res: dict[str, dict[str, list[dict[str, Any]]]] = {n: {} for n in names}
         for r in range(c.rounds):
             for name in round_orders(names, r + 1)[-1]:

@@ -272,6 +272,14 @@ class IngressConfig(StrictModel):
         description="Deadline for requests that send no x-carpool-deadline-ms header, in ms "
         "from arrival; past it they get 504 and their work is cancelled. null: none.",
     )
+    cpu_niceness: int = Field(
+        default=5,
+        ge=0,
+        le=19,
+        description="Nice levels this ingress runs below the model replicas. Where they share "
+        "cores, refusing and parsing the excess of an overload then only takes CPU the "
+        "models leave idle; with idle cores it changes nothing. 0: same priority.",
+    )
 
     def serve_options(self, name: str) -> dict[str, Any]:
         return {

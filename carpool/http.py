@@ -327,9 +327,41 @@ class RequestControlsMiddleware:
             _CONTROLS.reset(token)
 
 
-def apply_ingress_defaults(api: FastAPI, default_deadline_ms: float | None) -> None:
+def apply_ingress_defaults(
+    api: FastAPI, default_deadline_ms: float | None, cpu_niceness: int = 0
+) -> None:
     """Called by an ingress when it starts, with the values from its IngressConfig."""
     api.state.controls.default_deadline_ms = default_deadline_ms
+    if cpu_niceness:
+        lower_cpu_priority(cpu_niceness)
+
+
+_base_niceness: int | None = None
+
+
+def lower_cpu_priority(levels: int) -> int | None:
+    """Runs every thread of this process ``levels`` nice levels below where it started.
+
+    Linux keeps a niceness per thread and a new thread inherits its creator's, so each
+    existing thread is set (Ray's and gRPC's too: all of an ingress's work is the excess an
+    overload brings). Raising niceness needs no privilege. Idempotent: a second call sets
+    the same level. Returns the niceness set, or None where the OS refused.
+    """
+    global _base_niceness
+    try:
+        if _base_niceness is None:
+            _base_niceness = os.getpriority(os.PRIO_PROCESS, 0)
+        target = min(19, _base_niceness + levels)
+        tids = [int(t) for t in os.listdir("/proc/self/task")] if os.path.isdir("/proc") else [0]
+        for tid in tids:
+            try:
+                os.setpriority(os.PRIO_PROCESS, tid, target)
+            except ProcessLookupError:  # the thread ended meanwhile
+                continue
+    except OSError as exc:
+        logger.warning("could not lower this ingress's CPU priority (%s); it runs as is", exc)
+        return None
+    return target
 
 
 def make_api(title: str, description: str, max_body_bytes: int) -> FastAPI:

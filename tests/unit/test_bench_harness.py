@@ -648,6 +648,9 @@ applications:
         "batch_wait_timeout_s": 0.0,  # the benchmark's override wins over both
     }
     assert args["embedder"]["replica"]["torch_threads"] == 1
+    # A variant's "ingress" key sets the ingress, not the embedder's batching.
+    args = deploy.carpool_embed_args(resources, {"ingress": {"cpu_niceness": 0}})
+    assert args["ingress"]["cpu_niceness"] == 0 and "ingress" not in args["embedder"]["batching"]
 
 
 def test_a_baseline_that_meets_the_slo_at_no_rate_makes_the_ratio_undefined_not_missed() -> None:

@@ -1,0 +1,46 @@
+"""An ingress lowers the CPU priority of every thread it has, once, without privileges."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+SCRIPT = """
+import json, os, threading
+from carpool.http import lower_cpu_priority
+
+def niceness():
+    out = {}
+    for tid in os.listdir("/proc/self/task"):
+        stat = open(f"/proc/self/task/{tid}/stat").read()
+        out[tid] = int(stat.rsplit(")", 1)[1].split()[16])  # field 19: nice
+    return out
+
+start = os.getpriority(os.PRIO_PROCESS, 0)
+stop = threading.Event()
+worker = threading.Thread(target=stop.wait)  # a thread that exists before the call
+worker.start()
+first = lower_cpu_priority(3)
+second = lower_cpu_priority(3)  # idempotent: not 6
+later = threading.Thread(target=stop.wait)  # created afterwards: inherits
+later.start()
+print(json.dumps({"start": start, "first": first, "second": second, "threads": niceness()}))
+stop.set()
+"""
+
+
+@pytest.mark.skipif(not Path("/proc/self/task").is_dir(), reason="needs Linux /proc")
+def test_every_thread_runs_lower_and_a_second_call_changes_nothing() -> None:
+    # A child process: the test runner's own priority stays as it is.
+    out = subprocess.run(
+        [sys.executable, "-c", SCRIPT], capture_output=True, text=True, timeout=120, check=True
+    )
+    result = json.loads(out.stdout.strip().splitlines()[-1])
+    expected = min(19, result["start"] + 3)
+    assert result["first"] == result["second"] == expected
+    assert len(result["threads"]) >= 3
+    assert set(result["threads"].values()) == {expected}
