@@ -14,13 +14,14 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 from carpool.batching import SPLITTERS
 
 # Collected batches that may wait on the model at once (@serve.batch's max_concurrent_batches,
-# fixed when the class is defined). They merge into one executor step when the model frees up,
-# so more than one lets the next batch keep filling while a pass runs.
+# fixed when the class is defined). The executor plans up to this many batches' worth of items
+# at once when it picks the next pass, so more than one lets the next batch keep filling while
+# a pass runs.
 CONCURRENT_BATCHES = 4
 # Collected batches handed to the executor at once (@serve.batch's max_concurrent_batches).
 # Serve forms a batch every batch_wait_timeout_s whether or not the model is free; past this
 # many, batches wait in Serve's FIFO queue, where priority tiers and deadlines cannot reach
-# them. 64 lets every waiting request into the executor, which still runs one step at a time
+# them. 64 lets every waiting request into the executor, which still runs one pass at a time
 # (measured in benchmarks/README.md as `carpool-wide`: +5% saturation throughput).
 COLLECTED_BATCHES_IN_FLIGHT = 64
 
