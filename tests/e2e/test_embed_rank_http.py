@@ -88,14 +88,12 @@ def test_concurrent_mixed_lengths_batch_well_without_changing_vectors(default_ap
     ]
     items = after["items"] - before["items"]
     passes = after["forward_passes"] - before["forward_passes"]
-    steps = after["steps"] - before["steps"]
     waste = 1 - (after["real_tokens"] - before["real_tokens"]) / (
         after["padded_tokens"] - before["padded_tokens"]
     )
     assert items == sum(len(b["input"]) for b in bodies)
-    # A batch is what the batcher collected and ran together (one executor step); the
-    # splitter then cuts it into length-sorted forward passes. Both must stay large.
-    assert items / steps > 8, f"{items} items in {steps} batches"
+    # The executor plans everything waiting into length-sorted passes and runs the most
+    # urgent one, then plans again: under a burst the passes must stay large all the same.
     assert items / passes > 5, f"{items} items in {passes} forward passes"
     assert waste < 0.25, f"padding waste {waste:.2%}"
     # The same vectors as when each text runs alone.
