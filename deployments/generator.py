@@ -40,6 +40,13 @@ from carpool.generation.runner import kv_geometry
 from carpool.generation.sampling import SamplingParams
 from carpool.generation.scheduler import SchedulerLimits
 from carpool.generation.schemas import MAX_N, MAX_SEQS_PER_CALL, GenerationCall
+from carpool.generation.structured import (
+    ConstraintCompiler,
+    ConstraintError,
+    GrammarUnavailable,
+    OutputConstraint,
+)
+from carpool.generation.tools import render_tool_messages, template_supports_tools
 from carpool.generation.vllm_engine import VllmOptions, resolve_dtype
 from carpool.models import pick_device, pick_dtype, resolve_model_source, size_torch_threads
 
@@ -259,6 +266,7 @@ class GeneratorServer:
         self.name = cfg.source.served_model_name or "generator"
         self.batching = cfg.batching
         self._collector: ArrivalCollector | None = None
+        self._grammars: ConstraintCompiler | None = None  # built at the first constraint
         if cfg.mode == "vllm":
             self._init_vllm(tokenizer)
             return
@@ -274,6 +282,13 @@ class GeneratorServer:
             ).to(device)
         self.model = model.eval()
         self.tokenizer = tokenizer
+        # Rows of the logits (the output layer's size, which may exceed the tokenizer's).
+        head = self.model.get_output_embeddings()
+        self.vocab_size = int(
+            head.weight.shape[0]
+            if head is not None
+            else self.model.config.get_text_config().vocab_size
+        )
         self.max_seq_len = self._max_seq_len()
         self.bytes_per_token = kv_bytes_per_token(
             self.model.config, next(self.model.parameters()).element_size()
@@ -309,6 +324,7 @@ class GeneratorServer:
         self.tokenizer = tokenizer or AutoTokenizer.from_pretrained(path)
         self.model = None
         model_config = AutoConfig.from_pretrained(path)
+        self.vocab_size = int(model_config.get_text_config().vocab_size)
         self.max_seq_len = cfg.vllm.max_model_len or self._max_seq_len(model_config)
         device = pick_device(cfg.source.device)
         dtype = resolve_dtype(cfg.vllm.dtype, cfg.source.dtype, device)
@@ -386,6 +402,8 @@ class GeneratorServer:
 
     def close(self) -> None:
         self.engine.close()
+        if self._grammars is not None:
+            self._grammars.close()
 
     # --- requests -------------------------------------------------------------------------
 
@@ -398,9 +416,11 @@ class GeneratorServer:
                     "plain prompt instead",
                     param="messages",
                 )
+            native = template_supports_tools(self.tokenizer.chat_template)
+            messages, tools = render_tool_messages(call.messages, call.tools, native)
             try:
                 text = self.tokenizer.apply_chat_template(
-                    call.messages, tokenize=False, add_generation_prompt=True
+                    messages, tools=tools, tokenize=False, add_generation_prompt=True
                 )
             except Exception as exc:  # template rejects the conversation (roles, order...)
                 raise RequestError(
@@ -459,8 +479,11 @@ class GeneratorServer:
             )
         return prompts, call.max_tokens
 
-    def _sequences(self, call: GenerationCall, sink: Any) -> tuple[list[GenSequence], int]:
+    def _sequences(
+        self, call: GenerationCall, sink: Any, compiled: Any = None
+    ) -> tuple[list[GenSequence], int]:
         prompts, max_tokens = self._plan(call)
+        constraint = OutputConstraint.from_dict(call.constraint)
         controls = RequestControls(call.deadline, call.priority)
         controls.check(f"{self.name} generator")
         waiting = self.engine.num_waiting()
@@ -507,6 +530,9 @@ class GeneratorServer:
                     presence_penalty=call.presence_penalty,
                     frequency_penalty=call.frequency_penalty,
                 )
+                grammar = None
+                if compiled is not None and self._grammars is not None and self.model is not None:
+                    grammar = self._grammars.state(compiled)  # carpool's engines mask with it
                 seqs.append(
                     GenSequence(
                         ids,
@@ -516,6 +542,8 @@ class GeneratorServer:
                         deadline=deadline,
                         rank=controls.rank,
                         predicted_tokens=call.predicted_tokens,
+                        grammar=grammar,
+                        constraint=constraint,
                     )
                 )
         return seqs, sum(len(p) for p in prompts)
@@ -534,7 +562,8 @@ class GeneratorServer:
         def sink(event: SeqEvent) -> None:  # engine thread
             loop.call_soon_threadsafe(queue.put_nowait, event)
 
-        seqs, prompt_tokens = self._sequences(call, sink)
+        compiled = await self._compile(call)
+        seqs, prompt_tokens = self._sequences(call, sink, compiled)
         pending = len(seqs)
         deadline = seqs[0].deadline + DEADLINE_GRACE_S
         try:
@@ -560,6 +589,30 @@ class GeneratorServer:
             for seq in seqs:
                 if not seq.finished:
                     self.engine.cancel(seq)
+
+    async def _compile(self, call: GenerationCall) -> Any:
+        """The call's output grammar, compiled off the engine thread (cached), or None.
+
+        Every engine mode compiles it: carpool's engines mask with it, and for vLLM (which
+        compiles its own) it checks the schema first, so a bad one gets a 400, not a failed
+        generation.
+        """
+        constraint = OutputConstraint.from_dict(call.constraint)
+        if constraint is None:
+            return None
+        param = call.constraint_param or "response_format"
+        if self._grammars is None:
+            self._grammars = ConstraintCompiler(
+                self.tokenizer, self.vocab_size, self.engine.tok.eos_ids
+            )
+        try:
+            return await self._grammars.compile_async(constraint)
+        except ConstraintError as exc:
+            raise RequestError(400, f"{param}: {exc}; fix the schema", param=param) from None
+        except GrammarUnavailable as exc:
+            raise RequestError(
+                400, f"{param} is not available on model {self.name!r}: {exc}", param=param
+            ) from None
 
     def _logprobs(self, event: SeqEvent) -> dict[str, Any]:
         return raw_record(

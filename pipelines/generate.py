@@ -36,10 +36,13 @@ from carpool.generation.schemas import (
     GenerationCall,
     ModelCard,
     ModelList,
+    NamedToolChoice,
+    ToolCallOut,
     UsageInfo,
     new_id,
     now,
 )
+from carpool.generation.tools import ToolParser
 from carpool.http import (
     MAX_BODY_BYTES,
     ClosingStreamingResponse,
@@ -148,6 +151,28 @@ def check_logprobs_route(tier: str, stream: bool, logprobs: int | None) -> None:
 
 def _chat_logprobs(record: dict[str, Any] | None) -> dict[str, Any] | None:
     return None if record is None else chat_logprobs(record)
+
+
+def tool_parser(body: ChatCompletionRequest) -> Callable[[], ToolParser] | None:
+    """Makes a per-choice tool-call parser when the request has tools in play, else None."""
+    mode = body.tool_mode()
+    if mode == "none":
+        return None
+    names = [t.function.name for t in body.tools or []]
+    named = (
+        body.tool_choice.function.name if isinstance(body.tool_choice, NamedToolChoice) else None
+    )
+    return lambda: ToolParser(mode, names, named)
+
+
+def _without_null_tool_calls(body: dict[str, Any]) -> dict[str, Any]:
+    """OpenAI leaves ``tool_calls`` out of a message or delta that has none."""
+    for choice in body.get("choices", []):
+        for key in ("message", "delta"):
+            part = choice.get(key)
+            if isinstance(part, dict) and part.get("tool_calls") is None:
+                part.pop("tool_calls", None)
+    return body
 
 
 def _usage(counts: dict[str, Any]) -> UsageInfo:
@@ -303,34 +328,83 @@ class GenerateHandler(PipelineHandler):
                 tier,
                 handle,
                 call,
-                self._chat_chunks(model, body.choices_per_prompt(), body.include_usage()),
+                self._chat_chunks(
+                    model, body.choices_per_prompt(), body.include_usage(), tool_parser(body)
+                ),
             )
         await refuse_if_overloaded(tier)
         result = await call_backend(tier, handle.generate.remote(call))
-        response = ChatCompletionResponse(
-            model=_answered_by(result, model),
-            choices=[
+        parser = tool_parser(body)
+        choices = []
+        for c in result["choices"]:
+            content, calls, reason = c["text"], None, c["finish_reason"]
+            if parser is not None:
+                answer = parser().answer(c["text"], c["finish_reason"])
+                content, reason = answer.content, answer.finish_reason
+                calls = [ToolCallOut(**t) for t in answer.tool_calls] or None
+            choices.append(
                 ChatChoice(
                     index=c["index"],
-                    message=ChatMessageOut(content=c["text"]),
-                    finish_reason=c["finish_reason"],
+                    message=ChatMessageOut(content=content, tool_calls=calls),
+                    finish_reason=reason,
                     logprobs=_chat_logprobs(c.get("logprobs")),
                 )
-                for c in result["choices"]
-            ],
-            usage=_usage(result),
+            )
+        response = ChatCompletionResponse(
+            model=_answered_by(result, model), choices=choices, usage=_usage(result)
         )
-        return _with_decision(response.model_dump(), result.get("carpool"))
+        return _with_decision(
+            _without_null_tool_calls(response.model_dump()), result.get("carpool")
+        )
 
     def _chat_chunks(
-        self, model: str, n: int, include_usage: bool
+        self,
+        model: str,
+        n: int,
+        include_usage: bool,
+        tools: Callable[[], ToolParser] | None = None,
     ) -> Callable[[dict[str, Any]], list[dict[str, Any]]]:
         chunk_id, created = new_id("chatcmpl"), now()
+        parsers: dict[int, ToolParser] = {}
 
         def chunk(choices: list[ChatChunkChoice], usage: UsageInfo | None = None) -> dict:
-            return ChatCompletionChunk(
-                id=chunk_id, created=created, model=model, choices=choices, usage=usage
-            ).model_dump(exclude_none=False)
+            return _without_null_tool_calls(
+                ChatCompletionChunk(
+                    id=chunk_id, created=created, model=model, choices=choices, usage=usage
+                ).model_dump(exclude_none=False)
+            )
+
+        def tool_delta(event: dict[str, Any]) -> list[dict[str, Any]]:
+            # Content streams as it comes (auto mode), held back where it may open a tool
+            # call; the calls go out whole, one delta each, with the finishing chunk.
+            i = event["index"]
+            parser = parsers.setdefault(i, tools())  # type: ignore[misc]
+            text = parser.feed(event["text"])
+            logprobs = _chat_logprobs(event.get("logprobs"))
+            if event["finish_reason"] is None:
+                if not text and logprobs is None:
+                    return []
+                delta = ChatDelta(content=text) if text else ChatDelta()
+                return [chunk([ChatChunkChoice(index=i, delta=delta, logprobs=logprobs)])]
+            answer = parser.finish(event["finish_reason"])
+            out = []
+            tail = (text or "") + (answer.content or "") if not answer.tool_calls else text
+            if tail or logprobs is not None:
+                delta = ChatDelta(content=tail) if tail else ChatDelta()
+                out.append(chunk([ChatChunkChoice(index=i, delta=delta, logprobs=logprobs)]))
+            calls = [{"index": k, **call} for k, call in enumerate(answer.tool_calls)]
+            out.append(
+                chunk(
+                    [
+                        ChatChunkChoice(
+                            index=i,
+                            delta=ChatDelta(tool_calls=calls or None),
+                            finish_reason=answer.finish_reason,
+                        )
+                    ]
+                )
+            )
+            return out
 
         def fmt(event: dict[str, Any]) -> list[dict[str, Any]]:
             if event["type"] == "start":  # OpenAI opens each choice with the role
@@ -338,6 +412,8 @@ class GenerateHandler(PipelineHandler):
                     chunk([ChatChunkChoice(index=i, delta=ChatDelta(role="assistant", content=""))])
                     for i in range(n)
                 ]
+            if event["type"] == "delta" and tools is not None:
+                return tool_delta(event)
             if event["type"] == "delta":
                 delta = ChatDelta(content=event["text"]) if event["text"] else ChatDelta()
                 return [

@@ -32,6 +32,7 @@ from typing import Any, Protocol
 from carpool.generation.sampling import (
     SamplerState,
     SamplingParams,
+    apply_constraints,
     apply_penalties,
     chosen_logprobs,
     sample_one,
@@ -99,6 +100,8 @@ class GenSequence:
         deadline: float | None = None,
         rank: int = 0,
         predicted_tokens: float | None = None,
+        grammar: Any = None,
+        constraint: Any = None,
     ) -> None:
         if not prompt_ids:
             raise ValueError("a sequence needs at least one prompt token")
@@ -111,7 +114,11 @@ class GenSequence:
         self.rank = rank  # priority tier: 0 interactive is admitted before 1 batch
         # The router's length prediction; engines with a priority queue of their own use it.
         self.predicted_tokens = predicted_tokens
-        self.sampler = SamplerState(params)
+        # Structured output: ``constraint`` (structured.OutputConstraint) is what the output
+        # must be, for engines that constrain on their own (vLLM); ``grammar`` is its
+        # per-sequence state for carpool's engines, which mask the logits with it.
+        self.constraint = constraint
+        self.sampler = SamplerState(params, grammar=grammar)
         self.output_ids: list[int] = []
         self.output_logprobs: list[float] = []
         self.num_computed = 0  # tokens whose keys/values are in the KV cache
@@ -373,6 +380,12 @@ class GenerationEngine(ABC):
         seq.output_ids.append(token)
         seq._pending_ids.append(token)
         seq.sampler.observe(token)
+        grammar = seq.sampler.grammar
+        if grammar is not None and not grammar.accept(token):
+            # The mask allows only tokens the grammar accepts, so this means a bug: end the
+            # sequence rather than send output that breaks the promised format.
+            self._send(seq, "", "error", f"the output grammar refused token {token}")
+            return True
         if logprob is not None:
             seq.output_logprobs.append(logprob)
             seq._pending_logprobs.append(logprob)
@@ -388,6 +401,8 @@ class GenerationEngine(ABC):
             token in self.tok.eos_ids and not seq.params.ignore_eos
         ):
             reason = "stop"
+        elif grammar is not None and grammar.complete():
+            reason = "stop"  # the structured output is whole; only end-of-sequence could follow
         elif len(seq.output_ids) >= seq.params.max_tokens or seq.num_tokens >= self.max_seq_len:
             reason = "length"
         if reason is not None and seq._stopper.stopped_by is None:
@@ -711,6 +726,11 @@ class StaticEngine(GenerationEngine):
             def __call__(self, input_ids: Any, scores: Any) -> Any:
                 forced = torch.full_like(scores, float("-inf"))
                 scores = apply_penalties(scores, [s.sampler for s in batch])
+                grammars = [None if done[r] else s.sampler.grammar for r, s in enumerate(batch)]
+                if any(g is not None for g in grammars):
+                    from carpool.generation.structured import apply_grammars
+
+                    scores = apply_grammars(scores.float().clone(), grammars)
                 greedy = torch.argmax(scores, dim=-1)
                 chosen = []
                 for row, seq in enumerate(batch):
@@ -830,10 +850,11 @@ def make_engine(
 def _sample(logits: Any, seqs: list[GenSequence]) -> list[tuple[int, Any, Any]]:
     """Each row's sampled token, its logprob and the alternatives its request asked for.
 
-    Penalties apply first, so all three come from the distribution the token was drawn from.
+    Penalties apply first, then structured-output grammars mask the rows that carry one
+    (in place), so all three come from the distribution the token was drawn from.
     """
     states = [s.sampler for s in seqs]
-    logits = apply_penalties(logits, states)
+    logits = apply_constraints(apply_penalties(logits, states), states)
     tokens = sample_rows(logits, states)
     return list(
         zip(

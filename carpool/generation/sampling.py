@@ -8,6 +8,7 @@ request with a ``seed`` repeats itself.
 
 from __future__ import annotations
 
+import math
 import random
 from dataclasses import dataclass, field
 from typing import Any
@@ -76,6 +77,9 @@ class SamplerState:
     generator: Any = field(default=None, repr=False)
     # How often each token was generated so far; kept only when a penalty needs it.
     counts: dict[int, int] = field(default_factory=dict, repr=False)
+    # The sequence's structured-output grammar (structured.GrammarState), or None: masks
+    # the logits before sampling and advances with every accepted token.
+    grammar: Any = field(default=None, repr=False)
 
     def observe(self, token: int) -> None:
         """Records a generated token (the engine calls it for every accepted token)."""
@@ -113,6 +117,20 @@ def apply_penalties(logits: Any, states: list[SamplerState]) -> Any:
         p = state.params
         out[i, ids] -= p.presence_penalty + p.frequency_penalty * counts
     return out
+
+
+def apply_constraints(logits: Any, states: list[SamplerState]) -> Any:
+    """``logits`` with each constrained row masked to what its grammar allows (in place).
+
+    Returns ``logits`` untouched when no row carries a grammar (xgrammar is not even
+    imported then); rows without one are never changed.
+    """
+    grammars = [s.grammar for s in states]
+    if all(g is None for g in grammars):
+        return logits
+    from carpool.generation.structured import apply_grammars
+
+    return apply_grammars(logits, grammars)
 
 
 def sample_rows(logits: Any, states: list[SamplerState]) -> list[int]:
@@ -174,7 +192,10 @@ def top_alternatives(logits: Any, states: list[SamplerState]) -> list[list[tuple
     out: list[list[tuple[int, float]]] = [[] for _ in states]
     for j, (row_values, row_ids) in enumerate(zip(values.tolist(), ids.tolist(), strict=True)):
         n = wanted[rows[j]]
-        out[rows[j]] = list(zip(row_ids[:n], row_values[:n], strict=True))
+        # Tokens a grammar masked out have logprob -inf: not alternatives (and not JSON).
+        out[rows[j]] = [
+            (t, v) for t, v in zip(row_ids[:n], row_values[:n], strict=True) if v != -math.inf
+        ]
     return out
 
 

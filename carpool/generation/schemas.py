@@ -21,6 +21,7 @@ from pydantic import BaseModel, Field, ValidationInfo, field_validator, model_va
 
 from carpool.generation.logprobs import MAX_CHAT_TOP_LOGPROBS, MAX_COMPLETION_LOGPROBS
 from carpool.generation.sampling import MAX_PENALTY
+from carpool.generation.structured import ConstraintError, OutputConstraint, canonical_schema
 from carpool.schemas import WireRequest
 
 # Hard caps on what one request may describe; deployments apply their own, lower limits.
@@ -76,18 +77,15 @@ UNSUPPORTED_SHARED = {
     "(presence_penalty and frequency_penalty are supported)",
     "min_tokens": "min_tokens is not supported; remove it or send 0 (ignore_eos: true with "
     "max_tokens gives an exact length)",
-    "response_format": "structured output is not supported: the model answers free text; "
-    'remove response_format or send {"type": "text"}',
     "service_tier": "service_tier is not supported; remove it",
     "store": "stored completions are not supported; remove store or send false",
     "metadata": "metadata is only kept with stored completions, which are not supported; remove it",
 }
 UNSUPPORTED_CHAT = {
-    "tools": "tool calling is not supported; remove tools (describe the tool in a message "
-    "and parse the answer yourself)",
-    "tool_choice": 'tool calling is not supported; remove tool_choice or send "none"',
-    "functions": "function calling is not supported; remove functions",
-    "function_call": 'function calling is not supported; remove function_call or send "none"',
+    "functions": "functions (the legacy form of tools) is not supported; remove it and send "
+    'the same definitions as tools ([{"type": "function", "function": {...}}])',
+    "function_call": "function_call (the legacy form of tool_choice) is not supported; remove "
+    "it and send tool_choice (none, auto, required or a named function)",
     "audio": "audio output is not supported; remove audio",
     "modalities": 'only text output is supported; remove modalities or send ["text"]',
     "prediction": "predicted outputs are not supported; remove prediction",
@@ -99,6 +97,170 @@ UNSUPPORTED_COMPLETION = {
     "best_of": "best_of is not supported; remove it or set it to 1 (use n for several choices)",
     "suffix": "suffix (fill-in-the-middle) is not supported; remove it",
 }
+
+
+# --- structured output and tools -----------------------------------------------------------
+
+# OpenAI's limits: 128 tools per request, names of letters, digits, '_' and '-' up to 64.
+MAX_TOOLS = 128
+NAME_PATTERN = r"^[a-zA-Z0-9_-]{1,64}$"
+MAX_DESCRIPTION_CHARS = 8192
+MAX_TOOL_CALLS = 64  # tool calls one assistant message may carry
+MAX_ARGUMENTS_CHARS = 65_536
+RESPONSE_FORMAT_TYPES = ("text", "json_object", "json_schema")
+TOOL_CHOICES = ("none", "auto", "required")
+
+
+def _checked_schema(value: Any, what: str) -> Any:
+    """A JSON schema's shape, size and depth (compiling it is the generator's job)."""
+    if value is None:
+        return value
+    try:
+        canonical_schema(value)
+    except ConstraintError as exc:
+        raise ValueError(f"{what}: {exc}") from None
+    return value
+
+
+class JsonSchemaFormat(_Request):
+    """``response_format.json_schema``: the schema the output must match (OpenAI's shape)."""
+
+    name: str = Field(
+        pattern=NAME_PATTERN, description="The format's name (letters, digits, _ and -, 1-64)."
+    )
+    description: str | None = Field(default=None, max_length=MAX_DESCRIPTION_CHARS)
+    schema_: dict[str, Any] = Field(
+        alias="schema",
+        description="A JSON schema (an object); decoding is constrained to match it.",
+    )
+    strict: bool | None = Field(
+        default=None,
+        description="Accepted; the schema is always enforced (properties it does not declare "
+        "are never generated).",
+    )
+
+    @field_validator("schema_")
+    @classmethod
+    def _schema(cls, value: dict[str, Any]) -> dict[str, Any]:
+        return _checked_schema(value, "the schema")
+
+
+class ResponseFormat(_Request):
+    """OpenAI's ``response_format``: text, any JSON object, or JSON matching a schema."""
+
+    type: Literal["text", "json_object", "json_schema"] = Field(
+        description="'text' (free text), 'json_object' (any JSON object) or 'json_schema' "
+        "(JSON matching json_schema.schema)."
+    )
+    json_schema: JsonSchemaFormat | None = Field(
+        default=None, description="With type json_schema: the schema and its name."
+    )
+
+    @field_validator("type", mode="before")
+    @classmethod
+    def _known_type(cls, value: Any) -> Any:
+        if value not in RESPONSE_FORMAT_TYPES:
+            raise ValueError(
+                f"response_format type {value!r} is not supported; send one of "
+                f"{list(RESPONSE_FORMAT_TYPES)}"
+            )
+        return value
+
+    @model_validator(mode="after")
+    def _schema_with_its_type(self) -> ResponseFormat:
+        if self.type == "json_schema" and self.json_schema is None:
+            raise ValueError(
+                "response_format type 'json_schema' needs json_schema: "
+                '{"name": ..., "schema": {...}}; send it, or use type json_object'
+            )
+        if self.type != "json_schema" and self.json_schema is not None:
+            raise ValueError(
+                f"response_format.json_schema is only read with type 'json_schema', not "
+                f"{self.type!r}; remove it or change the type"
+            )
+        return self
+
+    def constraint(self) -> OutputConstraint | None:
+        if self.type == "json_object":
+            return OutputConstraint.json_object()
+        if self.type == "json_schema" and self.json_schema is not None:
+            return OutputConstraint.json_schema(self.json_schema.schema_)
+        return None
+
+
+class FunctionDefinition(_Request):
+    name: str = Field(
+        pattern=NAME_PATTERN, description="Function name (letters, digits, _ and -, 1-64)."
+    )
+    description: str | None = Field(default=None, max_length=MAX_DESCRIPTION_CHARS)
+    parameters: dict[str, Any] | None = Field(
+        default=None,
+        description="JSON schema of the arguments; omitted: no arguments (an empty object).",
+    )
+    strict: bool | None = Field(
+        default=None, description="Accepted; forced calls always match parameters."
+    )
+
+    @field_validator("parameters")
+    @classmethod
+    def _parameters(cls, value: dict[str, Any] | None) -> dict[str, Any] | None:
+        return _checked_schema(value, "the parameters schema")
+
+    def parameters_schema(self) -> dict[str, Any]:
+        return self.parameters if self.parameters is not None else {"type": "object"}
+
+
+class Tool(_Request):
+    type: Literal["function"] = Field(description="Only function tools exist.")
+    function: FunctionDefinition
+
+
+class NamedFunction(_Request):
+    name: str = Field(max_length=64, description="A function named in tools.")
+
+
+class NamedToolChoice(_Request):
+    type: Literal["function"]
+    function: NamedFunction
+
+
+class ToolCallFunction(_Request):
+    name: str = Field(max_length=64)
+    arguments: str = Field(
+        default="{}", max_length=MAX_ARGUMENTS_CHARS, description="The arguments as JSON text."
+    )
+
+
+class ToolCallIn(_Request):
+    """A tool call of an earlier assistant message (conversation history)."""
+
+    id: str = Field(max_length=256)
+    type: Literal["function"] = "function"
+    function: ToolCallFunction
+
+
+def tool_call_schema(tools: list[Tool], parallel: bool) -> dict[str, Any]:
+    """What a ``required`` tool choice must produce: a JSON list of calls (vLLM's shape)."""
+    items = [
+        {
+            "type": "object",
+            "properties": {
+                "name": {"type": "string", "enum": [t.function.name]},
+                "parameters": t.function.parameters_schema(),
+            },
+            "required": ["name", "parameters"],
+            "additionalProperties": False,
+        }
+        for t in tools
+    ]
+    schema: dict[str, Any] = {
+        "type": "array",
+        "minItems": 1,
+        "items": items[0] if len(items) == 1 else {"anyOf": items},
+    }
+    if not parallel:
+        schema["maxItems"] = 1
+    return schema
 
 
 def check_stops(value: str | list[str] | None) -> str | list[str] | None:
@@ -125,6 +287,37 @@ def check_token_limits(max_tokens: int | None, max_completion_tokens: int | None
             f"max_tokens ({max_tokens}) and max_completion_tokens "
             f"({max_completion_tokens}) differ; send only one of them"
         )
+
+
+def _refuse_with_constraint(data: dict[str, Any], param: str, value: str) -> None:
+    """Fields that would break a constrained (JSON) output, refused by name.
+
+    ``data``: the fields validated so far (``stop`` and ``ignore_eos`` come first).
+    """
+    stop = data.get("stop")
+    if stop:
+        raise ValueError(
+            f"{param} {value!r} with stop: a stop string could cut the JSON the output must "
+            "be; remove stop"
+        )
+    if data.get("ignore_eos"):
+        raise ValueError(
+            f"{param} {value!r} with ignore_eos: the output ends when its JSON is complete; "
+            "remove ignore_eos"
+        )
+
+
+def _choice_label(choice: Any) -> str:
+    if isinstance(choice, NamedToolChoice):
+        return f"function {choice.function.name}"
+    return str(choice)
+
+
+def _format_constraint(body: Any) -> tuple[OutputConstraint | None, str | None]:
+    """The grammar ``response_format`` asks for, and that field's name (for errors)."""
+    fmt = body.response_format
+    constraint = fmt.constraint() if fmt is not None else None
+    return constraint, ("response_format" if constraint is not None else None)
 
 
 class _SamplingFields(_Request):
@@ -178,7 +371,12 @@ class _SamplingFields(_Request):
     min_p: Any = Field(default=None, description="Not supported (vLLM extension).")
     repetition_penalty: Any = Field(default=None, description="Not supported (vLLM).")
     min_tokens: Any = Field(default=None, description="Not supported (vLLM extension).")
-    response_format: Any = Field(default=None, description='Only {"type": "text"}.')
+    response_format: ResponseFormat | None = Field(
+        default=None,
+        description='{"type": "text"} (default), {"type": "json_object"} or {"type": '
+        '"json_schema", "json_schema": {"name", "schema", "strict"}}: JSON output is '
+        "guaranteed by constrained decoding.",
+    )
     service_tier: Any = Field(default=None, description="Only null, auto or default.")
     store: Any = Field(default=None, description="Only false.")
     metadata: Any = Field(default=None, description="Not supported.")
@@ -205,6 +403,15 @@ class _SamplingFields(_Request):
         if self.stream_options is not None and not self.stream:
             raise ValueError("stream_options is only allowed with stream: true; remove it")
         return self
+
+    @field_validator("response_format")
+    @classmethod
+    def _constrained_output(
+        cls, value: ResponseFormat | None, info: ValidationInfo
+    ) -> ResponseFormat | None:
+        if value is not None and value.type != "text":
+            _refuse_with_constraint(info.data, "response_format", value.type)
+        return value
 
     def choices_per_prompt(self) -> int:
         return self.n or 1
@@ -281,7 +488,22 @@ class ChatMessage(_Request):
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[TextPart] | None = None
     name: str | None = Field(default=None, max_length=256)
-    tool_call_id: str | None = Field(default=None, max_length=256)
+    tool_call_id: str | None = Field(
+        default=None, max_length=256, description="role tool: the call this answers."
+    )
+    tool_calls: list[ToolCallIn] | None = Field(
+        default=None,
+        max_length=MAX_TOOL_CALLS,
+        description="role assistant: the tool calls it made (conversation history).",
+    )
+
+    @model_validator(mode="after")
+    def _tool_fields(self) -> ChatMessage:
+        if self.tool_calls and self.role != "assistant":
+            raise ValueError(
+                f"tool_calls is only allowed on assistant messages, not {self.role!r}; remove it"
+            )
+        return self
 
     def text(self) -> str:
         if self.content is None:
@@ -315,8 +537,16 @@ class ChatCompletionRequest(_SamplingFields):
     parallel_tool_calls: bool | None = Field(
         default=None, description="Accepted; means nothing without tools."
     )
-    tools: Any = Field(default=None, description="Not supported.")
-    tool_choice: Any = Field(default=None, description='Only "none".')
+    tools: list[Tool] | None = Field(
+        default=None,
+        max_length=MAX_TOOLS,
+        description="Functions the model may call; rendered through the model's chat template.",
+    )
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = Field(
+        default=None,
+        description="'none', 'auto' (default with tools: the model decides), 'required' (at "
+        'least one call) or {"type": "function", "function": {"name": ...}} (that call).',
+    )
     functions: Any = Field(default=None, description="Not supported.")
     function_call: Any = Field(default=None, description="Not supported.")
     audio: Any = Field(default=None, description="Not supported.")
@@ -338,6 +568,76 @@ class ChatCompletionRequest(_SamplingFields):
                 f"messages hold {total} characters; send at most {MAX_PROMPT_CHARS} in all"
             )
         return value
+
+    @field_validator("tool_choice", mode="before")
+    @classmethod
+    def _known_choice(cls, value: Any) -> Any:
+        if isinstance(value, str) and value not in TOOL_CHOICES:
+            raise ValueError(
+                f"tool_choice {value!r} is not supported; send one of {list(TOOL_CHOICES)} or "
+                '{"type": "function", "function": {"name": ...}}'
+            )
+        return value
+
+    @field_validator("tools")
+    @classmethod
+    def _unique_tools(cls, value: list[Tool] | None) -> list[Tool] | None:
+        names = [t.function.name for t in value or []]
+        if len(set(names)) != len(names):
+            dup = sorted({n for n in names if names.count(n) > 1})
+            raise ValueError(f"tools name the function(s) {dup} more than once; name each once")
+        return value
+
+    @field_validator("tool_choice")
+    @classmethod
+    def _choice_fits_tools(cls, value: Any, info: ValidationInfo) -> Any:
+        names = [t.function.name for t in info.data.get("tools") or []]
+        label = _choice_label(value)
+        if value not in (None, "none") and not names:
+            raise ValueError(
+                f"tool_choice is {label!r} but there are no tools; send tools or remove tool_choice"
+            )
+        if isinstance(value, NamedToolChoice) and value.function.name not in names:
+            raise ValueError(
+                f"tool_choice names function {value.function.name!r}, which is not in tools "
+                f"({names}); name one of them"
+            )
+        if value == "required" or isinstance(value, NamedToolChoice):
+            _refuse_with_constraint(info.data, "tool_choice", label)
+        return value
+
+    @model_validator(mode="after")
+    def _one_constraint(self) -> ChatCompletionRequest:
+        fmt = self.response_format
+        if fmt is not None and fmt.type != "text" and self.tool_mode() != "none":
+            raise ValueError(
+                f"response_format {fmt.type!r} and tools with tool_choice "
+                f"{_choice_label(self.tool_choice or 'auto')!r} cannot both hold: send one of "
+                "them (or tool_choice 'none' with response_format)"
+            )
+        return self
+
+    def tool_mode(self) -> Literal["none", "auto", "required", "named"]:
+        """What the tools ask: none (or no tools), auto, required, or one named function."""
+        if not self.tools or self.tool_choice == "none":
+            return "none"
+        if self.tool_choice is None or self.tool_choice == "auto":
+            return "auto"
+        if self.tool_choice == "required":
+            return "required"
+        return "named"
+
+    def constraint(self) -> tuple[OutputConstraint | None, str | None]:
+        """The grammar the output must follow and the field it comes from (for errors)."""
+        mode = self.tool_mode()
+        if mode == "required":
+            schema = tool_call_schema(self.tools or [], self.parallel_tool_calls is not False)
+            return OutputConstraint.json_schema(schema), "tools"
+        if mode == "named":
+            name = self.tool_choice.function.name  # type: ignore[union-attr]
+            tool = next(t for t in self.tools or [] if t.function.name == name)
+            return OutputConstraint.json_schema(tool.function.parameters_schema()), "tools"
+        return _format_constraint(self)
 
     @model_validator(mode="after")
     def _chat_only(self) -> ChatCompletionRequest:
@@ -379,11 +679,22 @@ class GenerationCall(BaseModel):
     # The router's predicted output length (never from HTTP): an engine with its own
     # priority queue (vLLM) orders waiting requests by it, shortest first with aging.
     predicted_tokens: float | None = None
+    # Structured output (structured.OutputConstraint.to_dict()): the grammar every choice must
+    # follow, and the request field it came from (response_format or tools), for errors.
+    constraint: dict[str, Any] | None = None
+    constraint_param: str | None = None
+    # Tools to render through the chat template (OpenAI's tool dicts); None: no tools.
+    tools: list[dict[str, Any]] | None = None
 
     @classmethod
     def from_completion(cls, body: CompletionRequest) -> GenerationCall:
+        constraint, param = _format_constraint(body)
         return cls(
-            prompts=body.prompts(), logprobs=body.logprobs, **_sampling(body, body.max_tokens)
+            prompts=body.prompts(),
+            logprobs=body.logprobs,
+            constraint=constraint.to_dict() if constraint else None,
+            constraint_param=param,
+            **_sampling(body, body.max_tokens),
         )
 
     @classmethod
@@ -393,10 +704,21 @@ class GenerationCall(BaseModel):
             message: dict[str, Any] = {"role": m.role, "content": m.text()}
             if m.name:
                 message["name"] = m.name
+            if m.tool_call_id:
+                message["tool_call_id"] = m.tool_call_id
+            if m.tool_calls:
+                message["tool_calls"] = [c.model_dump() for c in m.tool_calls]
             messages.append(message)
+        constraint, param = body.constraint()
+        tools = None
+        if body.tool_mode() != "none":  # tool_choice "none": the answer is text, no tools shown
+            tools = [t.model_dump(exclude_none=True) for t in body.tools or []]
         return cls(
             messages=messages,
             logprobs=body.logprobs_asked(),
+            constraint=constraint.to_dict() if constraint else None,
+            constraint_param=param,
+            tools=tools,
             **_sampling(body, body.token_limit()),
         )
 
@@ -448,9 +770,16 @@ class CompletionResponse(BaseModel):
     usage: UsageInfo | None = None
 
 
+class ToolCallOut(BaseModel):
+    id: str
+    type: Literal["function"] = "function"
+    function: dict[str, str] = Field(description="{'name': ..., 'arguments': JSON text}.")
+
+
 class ChatMessageOut(BaseModel):
     role: Literal["assistant"] = "assistant"
-    content: str
+    content: str | None
+    tool_calls: list[ToolCallOut] | None = None
 
 
 class ChatChoice(BaseModel):
@@ -472,6 +801,8 @@ class ChatCompletionResponse(BaseModel):
 class ChatDelta(BaseModel):
     role: Literal["assistant"] | None = None
     content: str | None = None
+    # OpenAI's streamed tool calls: [{index, id, type, function: {name, arguments}}].
+    tool_calls: list[dict[str, Any]] | None = None
 
 
 class ChatChunkChoice(BaseModel):

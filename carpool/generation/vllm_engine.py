@@ -13,6 +13,9 @@ How the pieces map:
   length handling are carpool's, character for character the continuous engine's. vLLM
   stops on carpool's end-of-sequence ids itself (``stop_token_ids``); a stop string is seen
   here, and the request is aborted in vLLM at once.
+- Structured output: a sequence's ``constraint`` (response_format, forced tool calls) goes
+  to vLLM's structured outputs (``StructuredOutputsParams(json=schema)``); vLLM masks with
+  its own grammar backend and stops at end-of-sequence once the JSON is complete.
 - Logprobs: ``logprobs=k`` (k = the request's top_logprobs, 0 for the sampled token only)
   under ``logprobs_mode="processed_logprobs"``: the distribution the token was drawn from
   (after temperature and penalties), as carpool's own engines report it.
@@ -287,6 +290,19 @@ def sampling_kwargs(params: SamplingParams, eos_ids: frozenset[int]) -> dict[str
     return kwargs
 
 
+def structured_outputs_kwargs(constraint: Any) -> dict[str, Any] | None:
+    """Keyword arguments of ``vllm.sampling_params.StructuredOutputsParams`` for a sequence.
+
+    ``constraint`` is carpool's ``structured.OutputConstraint`` (None: unconstrained). The
+    schema goes to vLLM's own structured outputs (xgrammar by default, as in carpool's
+    engines), compact JSON as carpool's engines produce it; json_object is the schema of
+    any object. The server compiled the schema already, so a bad one never gets here.
+    """
+    if constraint is None:
+        return None
+    return {"json": constraint.schema_dict(), "disable_any_whitespace": True}
+
+
 def vllm_priority(
     rank: int,
     predicted_tokens: float,
@@ -514,11 +530,14 @@ class VllmEngine(GenerationEngine):
     async def _drive(self, flight: _Flight) -> None:
         from vllm import SamplingParams as VSamplingParams
         from vllm.inputs import TokensPrompt
-        from vllm.sampling_params import RequestOutputKind
+        from vllm.sampling_params import RequestOutputKind, StructuredOutputsParams
 
         seq = flight.seq
+        structured = structured_outputs_kwargs(seq.constraint)
         params = VSamplingParams(
-            **sampling_kwargs(seq.params, self.tok.eos_ids), output_kind=RequestOutputKind.DELTA
+            **sampling_kwargs(seq.params, self.tok.eos_ids),
+            structured_outputs=StructuredOutputsParams(**structured) if structured else None,
+            output_kind=RequestOutputKind.DELTA,
         )
         stream = self.llm.generate(
             TokensPrompt(prompt_token_ids=seq.prompt_ids),
