@@ -13,8 +13,10 @@ Out of the answer, by ``tool_choice``:
   function), so the answer parses into ``tool_calls``.
 - ``auto``: the model decides. ``<tool_call>{"name": ..., "arguments": ...}</tool_call>``
   blocks (what Qwen2.5's template asks for) become ``tool_calls``; text before the first
-  block is the message content. A block that does not parse, or names a function not in
-  ``tools``, leaves the whole answer as plain content (what vLLM's Hermes parser does).
+  block is the message content. An answer that is only such a JSON call without the tags
+  (what Qwen2.5-Coder-0.5B writes) counts too. A block that does not parse, or names a
+  function not in ``tools``, leaves the whole answer as plain content (what vLLM's Hermes
+  parser does).
 
 Pure Python (no torch, no Ray): the ingress parses, the generator renders.
 """
@@ -143,12 +145,40 @@ def parse_forced(text: str, mode: ToolMode, name: str | None) -> list[dict[str, 
     return []
 
 
+def _bare_calls(text: str, known: set[str]) -> list[dict[str, Any]]:
+    """Calls from an answer that is nothing but a JSON call (or a list of them), untagged.
+
+    Small Qwen2.5 models often answer a tool prompt with the call's JSON and no
+    ``<tool_call>`` tags. Only an answer that is wholly such JSON, naming known functions,
+    counts; anything else stays text.
+    """
+    try:
+        value = json.loads(text)
+    except ValueError:
+        return []
+    items = value if isinstance(value, list) else [value]
+    calls = []
+    for item in items:
+        if not isinstance(item, dict) or item.get("name") not in known:
+            return []
+        arguments = item.get("arguments", item.get("parameters", {}))
+        if not isinstance(arguments, (dict, str)) or set(item) - {
+            "name",
+            "arguments",
+            "parameters",
+        }:
+            return []
+        calls.append(make_call(item["name"], arguments))
+    return calls
+
+
 def parse_hermes(text: str, names: Iterable[str]) -> tuple[str | None, list[dict[str, Any]]]:
     """(content, tool calls) of an ``auto`` answer; no calls leaves the text as it is."""
+    known = set(names)
     start = text.find(TOOL_CALL_OPEN)
     if start < 0:
-        return text, []
-    known = set(names)
+        calls = _bare_calls(text.strip(), known) if text.strip()[:1] in ("{", "[") else []
+        return (None, calls) if calls else (text, [])
     calls = []
     for match in _BLOCK.finditer(text, start):
         try:
@@ -180,8 +210,9 @@ class ToolParser:
 
     Streaming: in ``auto`` mode, content is passed on as it comes, except text that could be
     the start of ``<tool_call>`` (held back until it is clearly not); from the first block
-    on, the rest is kept and parsed at the end. Forced modes keep everything: the answer is
-    one JSON value, parsed at the end.
+    on, the rest is kept and parsed at the end. An answer that opens with ``{`` or ``[`` may
+    be an untagged call, so it is kept whole and parsed at the end too. Forced modes keep
+    everything: the answer is one JSON value, parsed at the end.
     """
 
     mode: ToolMode
@@ -211,6 +242,13 @@ class ToolParser:
         self._text += text
         if self.mode in ("required", "named") or self._in_call:
             return ""
+        if self._sent == 0:
+            head = self._text.lstrip()
+            if not head:
+                return ""  # only whitespace so far: what follows decides
+            if head[0] in "{[":
+                self._in_call = True  # may be an untagged JSON call: kept to the end
+                return ""
         at = self._text.find(TOOL_CALL_OPEN, self._sent)
         if at >= 0:
             self._in_call = True

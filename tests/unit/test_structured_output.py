@@ -494,3 +494,20 @@ def test_vllm_gets_the_schema_as_its_structured_outputs() -> None:
         "disable_any_whitespace": True,
     }
     assert structured_outputs_kwargs(OutputConstraint.json_object())["json"] == {"type": "object"}
+
+
+def test_an_untagged_json_call_counts_in_auto_mode() -> None:
+    # What Qwen2.5-Coder-0.5B answered to a tool prompt (the tags left out).
+    text = '{"name": "get_weather", "arguments": {"city": "Paris", "unit": "celsius"}}'
+    content, calls = parse_hermes(text, ["get_weather"])
+    assert content is None and calls[0]["function"]["name"] == "get_weather"
+    assert json.loads(calls[0]["function"]["arguments"]) == {"city": "Paris", "unit": "celsius"}
+    for other in ('{"city": "Paris"}', '{"name": "rm", "arguments": {}}', '{"name": "x"} tail'):
+        assert parse_hermes(other, ["get_weather"]) == (other, [])
+    parser = ToolParser("auto", ["get_weather"])
+    assert parser.feed(" ") == "" and parser.feed(text[:10]) == "" and parser.feed(text[10:]) == ""
+    answer = parser.finish("stop")
+    assert answer.finish_reason == "tool_calls" and answer.content is None
+    parser = ToolParser("auto", ["get_weather"])
+    assert parser.feed('{"a": 1}') == ""
+    assert parser.finish("stop").content == '{"a": 1}'  # not a call: released whole
