@@ -384,7 +384,8 @@ class GenerationEngine(ABC):
         if grammar is not None and not grammar.accept(token):
             # The mask allows only tokens the grammar accepts, so this means a bug: end the
             # sequence rather than send output that breaks the promised format.
-            self._send(seq, "", "error", f"the output grammar refused token {token}")
+            why = "allows no next token" if grammar.dead else f"refused token {token}"
+            self._send(seq, "", "error", f"the output grammar {why}")
             return True
         if logprob is not None:
             seq.output_logprobs.append(logprob)

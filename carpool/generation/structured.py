@@ -32,6 +32,24 @@ from typing import Any, Literal
 MAX_SCHEMA_CHARS = 32_768
 # Deepest nesting of objects and arrays in a schema (vLLM refuses deeper ones too).
 MAX_SCHEMA_DEPTH = 32
+# Largest length or count bound (maxLength, minItems...) and regex repetition ({n}) a schema
+# may set: the compiled grammar grows with them (maxLength 1,000,000 took 3.3 s to compile
+# here), and no answer within max_tokens gets near them anyway.
+MAX_SCHEMA_REPEAT = 8192
+MAX_PATTERN_REPEAT = 1024
+_COUNT_KEYS = frozenset(
+    {
+        "minLength",
+        "maxLength",
+        "minItems",
+        "maxItems",
+        "minProperties",
+        "maxProperties",
+        "minContains",
+        "maxContains",
+    }
+)
+_REPEAT = re.compile(r"\{\s*(\d+)\s*(?:,\s*(\d*)\s*)?\}")
 # Compiled grammars kept per replica (least recently used dropped first).
 GRAMMAR_CACHE_SIZE = 128
 
@@ -88,6 +106,7 @@ def canonical_schema(schema: Any) -> str:
         raise ConstraintError(
             f"a JSON schema must be an object (or true/false), got {type(schema).__name__}"
         )
+    _check_bounds(schema)
     depth = _depth(schema)
     if depth > MAX_SCHEMA_DEPTH:
         raise ConstraintError(
@@ -100,6 +119,34 @@ def canonical_schema(schema: Any) -> str:
             f"{MAX_SCHEMA_CHARS}"
         )
     return text
+
+
+def _check_bounds(schema: Any) -> None:
+    """Refuses length/count bounds and pattern repetitions that would make a huge grammar."""
+    stack: list[Any] = [schema]
+    while stack:
+        item = stack.pop()
+        if isinstance(item, list):
+            stack.extend(item)
+            continue
+        if not isinstance(item, dict):
+            continue
+        for key, value in item.items():
+            if key in _COUNT_KEYS and isinstance(value, (int, float)) and value > MAX_SCHEMA_REPEAT:
+                raise ConstraintError(
+                    f"{key} {value} is above {MAX_SCHEMA_REPEAT}; lower it (an answer is "
+                    "bounded by max_tokens anyway)"
+                )
+            if key == "pattern" and isinstance(value, str):
+                for match in _REPEAT.finditer(value):
+                    counts = [int(g) for g in match.groups() if g]
+                    if max(counts, default=0) > MAX_PATTERN_REPEAT:
+                        raise ConstraintError(
+                            f"pattern repeats {match.group(0)}, above {MAX_PATTERN_REPEAT}; "
+                            "lower the count"
+                        )
+            if isinstance(value, (dict, list)):
+                stack.append(value)
 
 
 def _depth(value: Any) -> int:
@@ -227,6 +274,7 @@ class GrammarState:
         self.vocab_size = vocab_size
         self.stop_token_ids = frozenset(stop_token_ids)
         self.rejected: int | None = None  # a token the grammar refused (never expected)
+        self.dead = False  # the grammar allowed no token at some step (never expected)
 
     def fill(self, bitmask: Any, row: int) -> None:
         self.matcher.fill_next_token_bitmask(bitmask, row)
@@ -282,4 +330,17 @@ def apply_grammars(logits: Any, grammars: Sequence[GrammarState | None]) -> Any:
     if not logits.is_contiguous():  # the kernels index rows of a contiguous tensor
         logits = logits.contiguous()
     xgr.apply_token_bitmask_inplace(logits, bitmask.to(logits.device), indices=rows)
+    # A grammar that allows no token at all (never expected of a compiled schema) would leave
+    # a row of -inf, and sampling it fails the whole step: open one stop token instead, which
+    # the grammar then refuses, so that sequence alone ends with an error.
+    import torch
+
+    index = torch.tensor(rows, dtype=torch.long, device=logits.device)
+    alive = torch.isfinite(logits.index_select(0, index)).any(dim=-1).tolist()
+    for i, ok in zip(rows, alive, strict=True):
+        state = grammars[i]
+        if not ok and state is not None:
+            stop = min(state.stop_token_ids) if state.stop_token_ids else 0
+            logits[i, stop] = 0.0
+            state.dead = True
     return logits

@@ -121,6 +121,9 @@ def test_schemas_keep_their_property_order() -> None:
         (_json_schema({"type": "object"}, name="has space"), ["name"]),
         (_json_schema({"d": "x" * MAX_SCHEMA_CHARS}), ["characters", str(MAX_SCHEMA_CHARS)]),
         (_json_schema(json.loads('{"a":' * 40 + "1" + "}" * 40)), ["nests", "32"]),
+        (_json_schema({"type": "string", "maxLength": 10**6}), ["maxLength 1000000", "8192"]),
+        (_json_schema({"items": [{"minItems": 9000}]}), ["minItems 9000"]),
+        (_json_schema({"type": "string", "pattern": "a{2,5000}"}), ["{2,5000}", "1024"]),
     ],
 )
 def test_bad_response_formats_are_refused_saying_what_is_wrong(
@@ -511,3 +514,23 @@ def test_an_untagged_json_call_counts_in_auto_mode() -> None:
     parser = ToolParser("auto", ["get_weather"])
     assert parser.feed('{"a": 1}') == ""
     assert parser.finish("stop").content == '{"a": 1}'  # not a call: released whole
+
+
+def test_a_row_whose_grammar_allows_nothing_ends_alone() -> None:
+    import torch
+
+    from carpool.generation.structured import apply_grammars
+
+    class NothingAllowed:
+        stop_token_ids = frozenset({2})
+        dead = False
+
+        def fill(self, bitmask: Any, row: int) -> None:
+            bitmask[row].zero_()
+
+    logits = torch.randn(3, 100)
+    free = logits[1].clone()
+    state = NothingAllowed()
+    out = apply_grammars(logits, [state, None, None])
+    assert torch.isfinite(out[0]).nonzero().flatten().tolist() == [2]
+    assert state.dead and torch.equal(out[1], free)
