@@ -1,5 +1,6 @@
 """Metric math of the router evaluation (no model): tau, log-length MAE, buckets, answer
-checking and the cascade threshold sweep on synthetic outcomes."""
+checking, the cascade threshold sweep on synthetic outcomes, and the lanes part's engine
+choice (the generator config each engine gets), result merging and report."""
 
 from __future__ import annotations
 
@@ -8,22 +9,30 @@ import math
 
 import pytest
 
+from benchmarks import router_eval
 from benchmarks.router_eval import (
     PROMPTS_PATH,
     QUESTIONS_PATH,
     QuestionOutcome,
+    _lane_trace,
     auc,
     bucket,
     bucket_accuracy,
     cascade_diagnostics,
     check_answer,
     kendall_tau,
+    lane_summary,
+    lanes_command,
     mae_log,
+    merge_lanes,
     percentile,
+    previous_sections,
     recommend,
     render,
+    server_config,
     sweep,
 )
+from deployments.generator import GeneratorConfig
 
 
 def test_kendall_tau_perfect_reversed_and_known_value():
@@ -172,3 +181,175 @@ def test_auc_and_cascade_diagnostics():
     assert diag["small_cut_off_share"] == 0.25
     assert diag["oracle_small_share"] == 0.75  # all but the one only large gets right
     assert diag["oracle_accuracy"] == 0.75
+
+
+# --- lanes part: engine choice, results, report --------------------------------------------
+
+
+@pytest.fixture
+def threads(monkeypatch):
+    def set_threads(n: int) -> None:
+        monkeypatch.setitem(router_eval.THREADS, "torch", n)
+
+    set_threads(1)
+    return set_threads
+
+
+def test_continuous_engine_config_has_no_vllm_section(threads):
+    config = server_config("packaged:SmolLM2-135M-Instruct", 8)
+    assert config["mode"] == "continuous" and "vllm" not in config
+    cfg = GeneratorConfig.model_validate(config)  # what GeneratorServer will accept
+    assert cfg.mode == "continuous" and cfg.batching.max_num_seqs == 8
+    assert cfg.replica.num_cpus == 1
+
+
+@pytest.mark.parametrize(("priority", "n_threads", "bind"), [(False, 1, "0"), (True, 2, "0-1")])
+def test_vllm_engine_config(threads, priority, n_threads, bind):
+    threads(n_threads)
+    config = server_config(
+        "packaged:SmolLM2-135M-Instruct", 8, engine="vllm", priority=priority, aging=5.0
+    )
+    cfg = GeneratorConfig.model_validate(config)
+    assert cfg.mode == "vllm"
+    assert cfg.vllm.priority_scheduling is priority
+    assert cfg.vllm.aging_tokens_per_s == 5.0  # the router lanes' aging, not vLLM's default
+    # As many compute threads as the continuous engine gets, not every core.
+    assert cfg.vllm.cpu_omp_threads_bind == bind
+    assert cfg.batching.max_num_seqs == 8 and cfg.limits.max_seq_len == 512
+
+
+def test_engine_config_refuses_unknown_engine_and_priority_without_vllm(threads):
+    with pytest.raises(ValueError, match="'static'"):
+        server_config("m", 8, engine="static")
+    with pytest.raises(ValueError, match="vLLM"):
+        server_config("m", 8, engine="continuous", priority=True)
+
+
+def test_main_takes_engine_option():
+    with pytest.raises(SystemExit):
+        router_eval.main(["--part", "lanes", "--engine", "tgi"])
+
+
+def test_lane_trace_is_the_same_requests_at_any_rate():
+    slow, fast = _lane_trace(0.5, 20, seed=1), _lane_trace(2.0, 20, seed=1)
+    assert [(r.kind, r.prompt, r.max_tokens) for r in slow] == [
+        (r.kind, r.prompt, r.max_tokens) for r in fast
+    ]
+    for s, f in zip(slow, fast, strict=True):
+        assert s.at == pytest.approx(4 * f.at)
+
+
+def test_lane_summary():
+    out = [
+        {"kind": "short", "latency_s": 1.0, "tokens": 10, "lane": "short"},
+        {"kind": "short", "latency_s": 3.0, "tokens": 10, "lane": "long"},
+        {"kind": "long", "latency_s": 8.0, "tokens": 180, "lane": "long"},
+    ]
+    s = lane_summary(out, makespan=10.0)
+    assert s["throughput_tok_s"] == pytest.approx(20.0)
+    assert s["throughput_req_s"] == pytest.approx(0.3)
+    assert s["short"] == {"n": 2, "p50_s": 2.0, "p99_s": pytest.approx(2.98)}
+    assert s["long"]["n"] == 1 and s["long"]["p50_s"] == 8.0
+    assert s["lane_of_short"] == {"long": 1, "short": 1}
+
+
+def test_lanes_command_shows_the_interpreter_used(tmp_path):
+    exe = tmp_path / ".venv" / "bin" / "python"
+    assert (
+        lanes_command(str(exe), ["--part", "lanes"], cwd=tmp_path)
+        == ".venv/bin/python -m benchmarks.router_eval --part lanes"
+    )
+    assert lanes_command("/opt/py/bin/python", ["--engine", "vllm"], cwd=tmp_path) == (
+        "/opt/py/bin/python -m benchmarks.router_eval --engine vllm"
+    )
+
+
+def lanes_result(engine: str, short_p50: float, speedup: float) -> dict:
+    run = {
+        "short": {"n": 56, "p50_s": short_p50, "p99_s": 9.0},
+        "long": {"n": 24, "p50_s": 20.0, "p99_s": 40.0},
+        "throughput_tok_s": 30.0,
+    }
+    return {
+        "engine": engine,
+        "requests": 80,
+        "load": 0.95,
+        "capacity_req_s": 0.5,
+        "capacity_tok_s": 31.0,
+        "rate_req_s": 0.475,
+        "max_num_seqs": 8,
+        "max_in_flight": 6,
+        "aging_tokens_per_s": 5.0,
+        "threads": 1,
+        "engine_priority_scheduling": {"fifo": False, "lanes": engine == "vllm"},
+        "fifo": {**run, "short": {**run["short"], "p50_s": short_p50 * speedup}},
+        "lanes": run,
+        "short_p50_speedup": speedup,
+        "throughput_ratio": 1.0,
+        "command": f"python -m benchmarks.router_eval --part lanes --engine {engine}",
+        "measured_at": "2026-11-23 20:00 UTC",
+        "wall_s": 600.0,
+    }
+
+
+def test_merge_lanes_keeps_the_other_engine_and_drops_the_old_format():
+    results = {"lanes": {"fifo": {}, "lanes": {}, "short_p50_speedup": 7.4}}  # before engines
+    merge_lanes(results, "continuous", lanes_result("continuous", 1.0, 5.0))
+    assert list(results["lanes"]) == ["engines"]
+    merge_lanes(results, "vllm", lanes_result("vllm", 0.5, 3.0))
+    merge_lanes(results, "continuous", lanes_result("continuous", 1.0, 6.0))
+    engines = results["lanes"]["engines"]
+    assert sorted(engines) == ["continuous", "vllm"]
+    assert engines["continuous"]["short_p50_speedup"] == 6.0
+    assert engines["vllm"]["short_p50_speedup"] == 3.0
+
+
+def test_report_has_a_row_per_engine_and_says_where_vllm_priority_was_on():
+    results: dict = {}
+    merge_lanes(results, "continuous", lanes_result("continuous", 1.0, 5.0))
+    merge_lanes(results, "vllm", lanes_result("vllm", 0.5, 3.0))
+    text = render(results)
+    rows = [line for line in text.splitlines() if line.startswith("| vllm |")]
+    assert len(rows) == 2
+    assert rows[1].startswith("| vllm | lanes (shortest first, aging) | 0.50 | 9.00 | 20.00")
+    assert rows[1].endswith("| 3.00x | 1.00 |")
+    assert "priority scheduling off (FCFS) in the FIFO run and on in the lanes run" in text
+    assert "`python -m benchmarks.router_eval --part lanes --engine vllm`" in text
+    assert "lanes 600 s (continuous), 600 s (vllm)" in text
+
+
+PREVIOUS = """# Router evaluation
+
+Intro. Wall time of the last run of each part: predictor 0 s, lanes 611 s, cascade 124 s (lanes...).
+
+## Length predictor
+
+tau table
+
+## Lanes vs one FIFO lane
+
+old lanes table
+
+## Cascade threshold
+
+sweep table
+
+## Notes
+
+old notes
+"""
+
+
+def test_a_part_run_alone_keeps_the_other_sections_of_the_committed_report():
+    kept = previous_sections(PREVIOUS)
+    assert kept["predictor"] == "## Length predictor\n\ntau table\n"
+    assert kept["wall"] == "predictor 0 s, lanes 611 s, cascade 124 s"
+    results: dict = {}
+    merge_lanes(results, "vllm", lanes_result("vllm", 0.5, 3.0))
+    text = render(results, PREVIOUS)
+    assert "tau table" in text and "sweep table" in text
+    assert "old lanes table" not in text and "| vllm | one FIFO lane |" in text
+    assert "predictor 0 s, lanes 600 s (vllm), cascade 124 s" in text
+    # Sections keep their order, and the notes are the code's, not the old report's.
+    assert text.index("tau table") < text.index("| vllm |") < text.index("sweep table")
+    assert "old notes" not in text
