@@ -382,7 +382,10 @@ def test_search_steps_down_past_its_budget_until_something_passes() -> None:
 def _windows(values: list[float], key: str = "items_per_s") -> dict:
     from benchmarks.suite import median_spread
 
-    windows = [{key: v, "refused": 0, "lost": 0} for v in values]
+    windows = [
+        {key: v, "refused": 0, "lost": 0, "passed_slo_ms": v > 0, "passed_slowdown": v > 0}
+        for v in values
+    ]
     return {"windows": windows, key: median_spread(values)}
 
 
@@ -509,6 +512,9 @@ def test_slowdown_ratio_is_undefined_when_no_system_held_the_bound() -> None:
     from benchmarks.suite import headline
 
     results = _paired_results()
+    for system in ("carpool", "naive"):
+        for w in results["slo"][system]["slowdown"]["windows"]:
+            w["passed_slowdown"] = False
     f = headline(results)["figures"]["slowdown_vs_naive"]
     assert "undefined" in f and f["median"] is None  # no window says it passed
     results["slo"]["naive"]["slowdown"]["windows"][1]["passed_slowdown"] = True
@@ -662,11 +668,16 @@ def test_a_baseline_that_meets_the_slo_at_no_rate_makes_the_ratio_undefined_not_
     results["headline"] = head = headline(results)
     f = head["figures"]["vs_naive"]
     assert f["median"] is None and f["met"] is None
-    assert (
-        "naive meets p99 <= SLO at no rate" in f["undefined"] and "30.0 items/s" in f["undefined"]
-    )
+    assert "naive held p99 <= SLO in no confirmation window" in f["undefined"]
+    assert "30.0 items/s" in f["undefined"] and "in 3 of 3 windows" in f["undefined"]
     assert "vs_naive" not in head["met"]
-    assert "undefined: naive meets" in headline_markdown(results)
+    assert "undefined: naive held" in headline_markdown(results)
+    # A rate the baseline's search found by luck, held in no confirmation window: no ratio.
+    results["slo"]["naive"]["slo_ms"] = _windows([10, 10, 10])
+    for w in results["slo"]["naive"]["slo_ms"]["windows"]:
+        w["passed_slo_ms"] = False
+    f = headline(results)["figures"]["vs_naive"]
+    assert f["median"] is None and f["met"] is None and "undefined" in f
     # Both at no rate is no finding at all: still a miss.
     results["slo"]["carpool"]["slo_ms"] = _windows([0, 0, 0])
     assert headline(results)["figures"]["vs_naive"]["met"] is False
