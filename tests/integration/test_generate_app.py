@@ -322,8 +322,20 @@ def test_a_client_leaving_a_routed_request_frees_the_generator_slot(app: str) ->
     body = {"model": "auto", "prompt": PROMPT, "max_tokens": 3000, "ignore_eos": True}
     with pytest.raises(httpx.TimeoutException):
         httpx.post(f"{app}/v1/completions", json=body, timeout=1.5)
+    left = time.monotonic()
+    # On a busy machine the request may still sit in the router's lane when the client
+    # leaves; then the router drops it and no generator ever starts it. Either way nothing
+    # may generate for it to the end: a sequence left running would finish by length.
+    while True:
+        after = _engine_totals(app)
+        if after["finished_cancelled"] > before["finished_cancelled"]:
+            break
+        never_started = after["tokens_generated"] == before["tokens_generated"]
+        if never_started and after["running"] == 0 and time.monotonic() - left > 5:
+            break
+        assert time.monotonic() - left < 30, (before, after)
+        time.sleep(0.2)
     after = _wait_idle(app, before)
-    assert after["finished_cancelled"] > before["finished_cancelled"], (before, after)
     assert after["tokens_generated"] - before["tokens_generated"] < 3000
     r = httpx.post(f"{app}/v1/completions", json={"prompt": "a", "max_tokens": 2}, timeout=60)
     assert r.status_code == 200
