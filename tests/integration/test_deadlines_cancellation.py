@@ -130,6 +130,17 @@ def _keep_ranker_busy(seconds: float) -> _Filler:
     )
 
 
+def test_a_search_within_its_deadline_succeeds(stack: str) -> None:
+    r = httpx.post(
+        f"{stack}/search",
+        json={"query": "document", "top_k": 4, "top_n": 2},
+        headers={"x-carpool-deadline-ms": "20000", "x-carpool-priority": "interactive"},
+        timeout=60,
+    )
+    assert r.status_code == 200, r.text
+    assert len(r.json()["results"]) == 2
+
+
 def test_a_search_past_its_deadline_gets_504_and_its_rank_work_is_never_computed(
     stack: str,
 ) -> None:
