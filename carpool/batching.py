@@ -407,7 +407,6 @@ class LengthAwareExecutor(Generic[P, R]):
             if not self._gone(job, now):
                 live.append((self.urgency(job), job))
         live.sort(key=lambda pair: pair[0])  # stable: arrival order among equals
-        self._waiting = [job for _, job in live]
         refs: list[tuple[Job[P, R], int]] = []
         keys: list[tuple[int, float]] = []
         for key, job in live:
@@ -416,13 +415,14 @@ class LengthAwareExecutor(Generic[P, R]):
             refs.extend((job, i) for i in job.unplanned)
             keys.extend(key for _ in job.unplanned)
         if not refs:
+            self._waiting = []
             return [], 0
         groups = self.splitter.split([job.lengths[i] for job, i in refs])
         chosen = min((g for g in groups if g), key=lambda g: min(keys[k] for k in g))
         taken = [refs[k] for k in chosen]
         for job, i in taken:
             job.unplanned.remove(i)
-        self._waiting = [job for job in self._waiting if job.unplanned]
+        self._waiting = [job for _, job in live if job.unplanned]
         return taken, len(refs)
 
     async def _loop(self) -> None:
