@@ -263,6 +263,10 @@ class ServeCluster:
         # answer 401; this cluster is private to the benchmark and bound to 127.0.0.1.
         os.environ.setdefault("RAY_AUTH_MODE", "disabled")
         os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
+        # Ray starts its workers (every replica and the proxy) at nice 15, below the load
+        # generator and any stray process on the machine: a benchmark would then measure who else
+        # ran. Servers under test compete as equals; Ray's job drivers do the same.
+        os.environ.setdefault("RAY_worker_niceness", "0")
         import ray
         from ray import serve
 

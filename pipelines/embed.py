@@ -165,9 +165,7 @@ class EmbedIngress(EmbedHandler):
 
     def __init__(self, embedder: DeploymentHandle, args: dict[str, Any]) -> None:
         super().__init__(embedder, EmbedArgs.model_validate(args))
-        apply_ingress_defaults(
-            api, self.args.ingress.default_deadline_ms, self.args.ingress.cpu_niceness
-        )
+        apply_ingress_defaults(api, self.args.ingress)
 
     @api.post("/v1/embeddings", response_model=EmbeddingResponse)
     async def embeddings(self, body: EmbeddingRequest) -> JSONResponse:

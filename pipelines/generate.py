@@ -522,9 +522,7 @@ class GenerateIngress(GenerateHandler):
         router: DeploymentHandle | None = None,
     ) -> None:
         super().__init__(small, large, GenerateArgs.model_validate(args), router)
-        apply_ingress_defaults(
-            api, self.args.ingress.default_deadline_ms, self.args.ingress.cpu_niceness
-        )
+        apply_ingress_defaults(api, self.args.ingress)
 
     @api.post("/v1/completions", response_model=CompletionResponse)
     async def completions(self, body: CompletionRequest) -> Any:

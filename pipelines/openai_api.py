@@ -190,9 +190,7 @@ class OpenAIIngress:
 
     def __init__(self, args: dict[str, Any]) -> None:
         self.args = OpenAIArgs.model_validate(args)
-        apply_ingress_defaults(
-            api, self.args.ingress.default_deadline_ms, self.args.ingress.cpu_niceness
-        )
+        apply_ingress_defaults(api, self.args.ingress)
         # kind -> (handler, monotonic time its settings were read)
         self._attached: dict[str, tuple[Any, float]] = {}
         self._locks = {kind: asyncio.Lock() for kind in PIPELINES}

@@ -478,9 +478,7 @@ class RagIngress(RagHandler, DocumentRoutes):
 
     def __init__(self, args: dict[str, Any]) -> None:
         super().__init__(RagArgs.model_validate(args))
-        apply_ingress_defaults(
-            api, self.args.ingress.default_deadline_ms, self.args.ingress.cpu_niceness
-        )
+        apply_ingress_defaults(api, self.args.ingress)
 
     @api.post("/v1/chat/completions")
     async def chat_completions(self, body: RagChatRequest) -> Any:

@@ -182,9 +182,7 @@ class RankIngress(RankHandler):
 
     def __init__(self, ranker: DeploymentHandle, args: dict[str, Any]) -> None:
         super().__init__(ranker, RankArgs.model_validate(args))
-        apply_ingress_defaults(
-            api, self.args.ingress.default_deadline_ms, self.args.ingress.cpu_niceness
-        )
+        apply_ingress_defaults(api, self.args.ingress)
 
     @api.post("/v1/rerank", response_model=RerankResponse)
     async def rerank(self, body: RerankRequest) -> JSONResponse:

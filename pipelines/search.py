@@ -132,9 +132,7 @@ async def retrieve_and_rerank(
 class SearchIngress(DocumentRoutes):
     def __init__(self, retriever: DeploymentHandle, args: dict[str, Any]) -> None:
         self.args = SearchArgs.model_validate(args)
-        apply_ingress_defaults(
-            api, self.args.ingress.default_deadline_ms, self.args.ingress.cpu_niceness
-        )
+        apply_ingress_defaults(api, self.args.ingress)
         self.retriever = retriever
         self._ranker: DeploymentHandle | None = None
         # OpenAI's `created` on the model card: when this app started.

@@ -44,3 +44,56 @@ def test_every_thread_runs_lower_and_a_second_call_changes_nothing() -> None:
     assert result["first"] == result["second"] == expected
     assert len(result["threads"]) >= 3
     assert set(result["threads"].values()) == {expected}
+
+
+CHILD = """
+import sys, threading
+stop = threading.Event()
+threading.Thread(target=stop.wait, daemon=True).start()
+print("ready", flush=True)
+sys.stdin.read()
+"""
+
+
+def _thread_niceness(pid: int) -> set[int]:
+    out = set()
+    for tid in Path(f"/proc/{pid}/task").iterdir():
+        stat = (tid / "stat").read_text()
+        out.add(int(stat.rsplit(")", 1)[1].split()[16]))
+    return out
+
+
+def _spawn(title: str) -> subprocess.Popen:
+    # argv[0] is what /proc/<pid>/cmdline starts with: Ray sets its workers' titles so.
+    child = subprocess.Popen(
+        [title, "-c", CHILD],
+        executable=sys.executable,
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    assert child.stdout is not None and child.stdout.readline().strip() == "ready"
+    return child
+
+
+@pytest.mark.skipif(not Path("/proc/self/task").is_dir(), reason="needs Linux /proc")
+def test_the_serve_proxy_on_this_node_runs_lower_and_nothing_else_does() -> None:
+    import os
+
+    from carpool.http import lower_proxy_priority
+
+    proxy = _spawn("ray::ProxyActor")
+    bystander = _spawn("ray::ServeReplica:embed:embedder")
+    try:
+        start = os.getpriority(os.PRIO_PROCESS, 0)
+        expected = min(19, start + 4)
+        assert proxy.pid in lower_proxy_priority(4)
+        assert _thread_niceness(proxy.pid) == {expected}
+        assert len(list(Path(f"/proc/{proxy.pid}/task").iterdir())) >= 2
+        assert _thread_niceness(bystander.pid) == {start}
+        lower_proxy_priority(4)  # again (a refusal re-checks): not 8 levels down
+        assert _thread_niceness(proxy.pid) == {expected}
+    finally:
+        for child in (proxy, bystander):
+            child.kill()
+            child.wait()
