@@ -824,12 +824,16 @@ def make_engine(
     block_size: int = 64,
     queue_policy: str = "priority",
     vllm: dict[str, Any] | None = None,
+    packed_weights: bool = True,
 ) -> GenerationEngine:
     """The one place that picks an engine by name.
 
     ``vllm``: for mode 'vllm', the keyword arguments of ``vllm_engine.make_vllm_engine``
     besides the tokenizer and limits (model path, ``VllmOptions``, dtype); vLLM loads the
     weights itself, so ``model`` is unused there.
+    ``packed_weights``: mode 'continuous' on CPU in float32 runs its passes on a twin of
+    the model with oneDNN-packed linear weights (``runner.pack_linears``; faster, costs a
+    second copy of those weights).
     """
     if mode == "vllm":
         # Imported here: the module is light, but vLLM itself must stay optional.
@@ -841,7 +845,14 @@ def make_engine(
     if mode == "continuous":
         from carpool.generation.runner import SlotRunner
 
-        runner = SlotRunner(model, limits.max_num_seqs, max_seq_len, block_size, tokenizer.pad_id)
+        runner = SlotRunner(
+            model,
+            limits.max_num_seqs,
+            max_seq_len,
+            block_size,
+            tokenizer.pad_id,
+            packed_weights=packed_weights,
+        )
         return ContinuousEngine(runner, tokenizer, limits, max_seq_len, queue_policy)
     if mode == "static":
         return StaticEngine(model, tokenizer, limits, max_seq_len, block_size)

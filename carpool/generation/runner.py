@@ -9,14 +9,29 @@ masked row would give NaN).
 
 The pass hands the model ready position ids and a 4-D additive mask, so any transformers
 causal LM whose attention calls ``past_key_values.update`` works: Llama, Qwen2, Mistral...
+
+On CPU in float32 the runner runs a twin of the model whose ``nn.Linear`` layers use
+weights pre-packed once for oneDNN (``pack_linears``). Measured on SmolLM2-135M with one
+thread, a 16-row decode step's matrix products went from ~100 ms (MKL sgemm on the plain
+weights, slow at a few rows) to ~57 ms; the step from ~134 to ~82 ms. Same arithmetic in
+float32, a different summation order: logits differ in the last bits (~1e-4), as they do
+between batch sizes, and greedy tokens stay those of ``generate``.
 """
 
 from __future__ import annotations
 
+import copy
+import logging
 from collections.abc import Sequence
 from typing import Any
 
 from carpool.generation.kv import SlotCacheView, SlotKVCache
+
+logger = logging.getLogger(__name__)
+
+# Row count oneDNN picks its packed weight layout for. Measured on SmolLM2's shapes: hints
+# of 16 to 512 ran 1 to 256 rows equally fast; a hint of 1 was up to 1.6x slower at 16 rows.
+PACK_BATCH_HINT = 64
 
 
 def kv_geometry(config: Any) -> tuple[int, int, int]:
@@ -26,6 +41,59 @@ def kv_geometry(config: Any) -> tuple[int, int, int]:
     kv_heads = getattr(text, "num_key_value_heads", None) or heads
     head_dim = getattr(text, "head_dim", None) or text.hidden_size // heads
     return text.num_hidden_layers, kv_heads, head_dim
+
+
+def can_pack(model: Any) -> bool:
+    """Whether ``pack_linears`` applies: float32 weights on CPU with oneDNN in this torch."""
+    import torch
+
+    param = next(model.parameters(), None)
+    return (
+        param is not None
+        and param.device.type == "cpu"
+        and param.dtype == torch.float32
+        and torch.backends.mkldnn.is_available()
+        and hasattr(torch.ops.mkldnn, "_reorder_linear_weight")
+    )
+
+
+def pack_linears(model: Any, batch_hint: int = PACK_BATCH_HINT) -> Any:
+    """A twin of ``model`` whose ``nn.Linear`` layers multiply by oneDNN-packed weights.
+
+    The twin shares every parameter and buffer with ``model`` (the original stays usable, by
+    the static engine or a tied embedding); the packed copies of the linear weights are
+    extra memory, about the size of those weights. Only plain float32 ``nn.Linear`` modules
+    are replaced; anything else runs as before.
+    """
+    import torch
+
+    class PackedLinear(torch.nn.Module):
+        """``nn.Linear`` with its weight reordered once into oneDNN's blocked layout."""
+
+        def __init__(self, linear: Any) -> None:
+            super().__init__()
+            self.in_features = linear.in_features
+            self.out_features = linear.out_features
+            self.weight = linear.weight  # shared, for whoever reads it (shapes, ties)
+            self.bias = linear.bias
+            self.packed = torch.ops.mkldnn._reorder_linear_weight(
+                linear.weight.detach(), batch_hint
+            )
+
+        def forward(self, x: Any) -> Any:
+            return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
+
+    memo: dict[int, Any] = {id(p): p for p in model.parameters()}
+    memo.update({id(b): b for b in model.buffers()})
+    twin = copy.deepcopy(model, memo)
+    replaced = 0
+    for module in list(twin.modules()):
+        for name, child in list(module.named_children()):
+            if type(child) is torch.nn.Linear and child.weight.dtype == torch.float32:
+                setattr(module, name, PackedLinear(child))
+                replaced += 1
+    logger.info("packed %d linear layers for oneDNN (batch hint %d)", replaced, batch_hint)
+    return twin
 
 
 class SlotRunner:
@@ -38,11 +106,20 @@ class SlotRunner:
         max_len: int,
         block_size: int,
         pad_token_id: int,
+        packed_weights: bool = True,
     ) -> None:
         import torch
 
         self._torch = torch
         self.model = model
+        # packed_weights: run the oneDNN-packed twin where it applies (CPU, float32).
+        self.packed = False
+        if packed_weights and can_pack(model):
+            try:
+                self.model = pack_linears(model)
+                self.packed = True
+            except Exception:  # an op missing from this torch build: run the plain model
+                logger.warning("could not pack linear weights; running unpacked", exc_info=True)
         self.device = next(model.parameters()).device
         self.dtype = next(model.parameters()).dtype
         layers, kv_heads, head_dim = kv_geometry(model.config)

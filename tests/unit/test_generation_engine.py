@@ -178,6 +178,53 @@ def test_chunked_prefill_gives_the_same_tokens(tiny, references):
     assert sum(1 for r in steps.records if r.prefill_seqs) >= 4  # 30 tokens in chunks of <= 8
 
 
+@pytest.mark.parametrize("packed", [True, False])
+def test_continuous_runner_with_and_without_packed_weights_matches_generate(
+    tiny, references, packed
+):
+    import torch
+
+    model, tokenizer = tiny
+    tok = TokenizerInfo.from_tokenizer(tokenizer, model.generation_config)
+    engine = make_engine(
+        "continuous", model, tok, SchedulerLimits(3, 256), 512, 16, packed_weights=packed
+    )
+    runner = engine.runner
+    assert runner.packed is packed
+    linears = [m for m in runner.model.modules() if type(m) is torch.nn.Linear]
+    if packed:
+        # Every linear runs packed in the twin; the caller's model is left as it was and
+        # shares its parameters with the twin (no second copy of the plain weights).
+        assert runner.model is not model and not linears
+        assert any(type(m) is torch.nn.Linear for m in model.modules())
+        assert {id(p) for p in runner.model.parameters()} <= {id(p) for p in model.parameters()}
+    else:
+        assert runner.model is model and linears
+    collect = Collect()
+    try:
+        engine.submit([seq(tiny, i, collect, ignore_eos=True) for i in range(len(PROMPTS))])
+        collect.wait(len(PROMPTS))
+    finally:
+        engine.close()
+    for i, ref in enumerate(references):
+        assert collect.tokens(i) == ref, f"prompt {i} differs (packed={packed})"
+
+
+def test_packed_twin_gives_the_logits_of_the_model(tiny):
+    import torch
+
+    from carpool.generation.runner import pack_linears
+
+    model, _ = tiny
+    twin = pack_linears(model)
+    ids = torch.tensor([[5, 9, 13, 2, 7], [3, 3, 8, 1, 4]])
+    with torch.no_grad():
+        plain = model(input_ids=ids).logits
+        packed = twin(input_ids=ids).logits
+    assert packed.shape == plain.shape
+    torch.testing.assert_close(packed, plain, rtol=1e-4, atol=1e-4)
+
+
 def test_sequences_join_the_running_batch_and_leave_when_done(tiny):
     collect = Collect()
     engine = engine_for(tiny, "continuous", max_num_seqs=2)
