@@ -92,6 +92,23 @@ def tiny_llama_config(tokenizer, **overrides):
     return LlamaConfig(**values)
 
 
+def save_tiny_lm(path: Path, seed: int = 0, **config_overrides) -> str:
+    """Saves a tiny random Llama with the test tokenizer at ``path``; returns the folder.
+
+    A large init (0.5) by default: a random model that does not repeat one token, so a
+    mix-up between sequences shows in their outputs.
+    """
+    import torch
+    from transformers import LlamaForCausalLM
+
+    tokenizer = llama_tokenizer()
+    torch.manual_seed(seed)
+    config_overrides.setdefault("initializer_range", 0.5)
+    LlamaForCausalLM(tiny_llama_config(tokenizer, **config_overrides)).save_pretrained(path)
+    tokenizer.save_pretrained(path)
+    return str(path)
+
+
 def build_tiny_models(root: Path, seed: int = 0) -> dict[str, str]:
     """Saves a tiny encoder, cross-encoder and causal LM; returns their folders by role."""
     import torch

@@ -24,20 +24,10 @@ PROMPT = "the carpool batch token and the river"
 
 @pytest.fixture(scope="module")
 def tiny_lm(tmp_path_factory: pytest.TempPathFactory) -> str:
-    import torch
-    from transformers import LlamaForCausalLM
+    from tests.factories import save_tiny_lm
 
-    from tests.factories import llama_tokenizer, tiny_llama_config
-
-    tokenizer = llama_tokenizer()
-    torch.manual_seed(0)
-    # Large init: a random model that does not repeat one token, so mix-ups show.
-    config = tiny_llama_config(tokenizer, initializer_range=0.5, max_position_embeddings=4096)
-    model = LlamaForCausalLM(config)
     path = Path(tmp_path_factory.mktemp("generate")) / "tiny-lm"
-    model.save_pretrained(path)
-    tokenizer.save_pretrained(path)
-    return str(path)
+    return save_tiny_lm(path, max_position_embeddings=4096)
 
 
 def _generator(path: str, mode: str, name: str) -> dict[str, Any]:

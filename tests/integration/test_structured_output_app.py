@@ -60,18 +60,9 @@ TIME = {
 
 @pytest.fixture(scope="module")
 def tiny_lm(tmp_path_factory: pytest.TempPathFactory) -> str:
-    import torch
-    from transformers import LlamaForCausalLM
+    from tests.factories import save_tiny_lm
 
-    from tests.factories import llama_tokenizer, tiny_llama_config
-
-    tokenizer = llama_tokenizer()
-    torch.manual_seed(0)
-    model = LlamaForCausalLM(tiny_llama_config(tokenizer, initializer_range=0.5))
-    path = Path(tmp_path_factory.mktemp("structured")) / "tiny-lm"
-    model.save_pretrained(path)
-    tokenizer.save_pretrained(path)
-    return str(path)
+    return save_tiny_lm(Path(tmp_path_factory.mktemp("structured")) / "tiny-lm")
 
 
 def _generator(path: str, mode: str, name: str) -> dict[str, Any]:
