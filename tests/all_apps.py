@@ -2,7 +2,8 @@
 
 ``deploy_all_apps(models, "fz")`` runs the embed, rank, search, rag and generate apps under
 ``/fz-embed``, ``/fz-rank``... and wires search and rag to the embed, rank and generate apps
-of the same prefix, as serve.yaml wires the real ones. Generation limits are tiny (at most
+of the same prefix, as serve.yaml wires the real ones; the OpenAI app (``/fz-openai_api``)
+fronts all of them, as serve.yaml's ``/`` does. Generation limits are tiny (at most
 ``MAX_TOKENS`` tokens), so a fuzzer's request for more is refused fast, and what it may ask
 for stays cheap on two cores.
 """
@@ -19,7 +20,7 @@ import httpx
 
 # Largest max_tokens the tiny generators accept; anything above must get a fast 400.
 MAX_TOKENS = 16
-APPS = ("embed", "rank", "search", "rag", "generate")
+APPS = ("embed", "rank", "search", "rag", "generate", "openai_api")
 # A request each app must keep answering with 200 while hostile traffic flows.
 GOOD_REQUESTS: dict[str, tuple[str, dict[str, Any]]] = {
     "embed": ("/v1/embeddings", {"input": ["a fine sentence", "another one"]}),
@@ -32,6 +33,10 @@ GOOD_REQUESTS: dict[str, tuple[str, dict[str, Any]]] = {
     "generate": (
         "/v1/completions",
         {"model": "small", "prompt": "the river", "max_tokens": 4, "temperature": 0},
+    ),
+    "openai_api": (
+        "/v1/embeddings",
+        {"model": "tiny-encoder", "input": ["a fine sentence", "another one"]},
     ),
 }
 SEED_DOCUMENT = {
@@ -107,6 +112,13 @@ def app_args(models: dict[str, str], names: dict[str, str]) -> dict[str, dict[st
             "router": {"default_max_tokens": 8},
             "ingress": {"num_cpus": 0.1},
         },
+        "openai_api": {
+            "embed_app": names["embed"],
+            "rank_app": names["rank"],
+            "generate_app": names["generate"],
+            "rag_app": names["rag"],
+            "ingress": {"num_cpus": 0.05},
+        },
     }
 
 
@@ -121,11 +133,12 @@ def error_message(response: httpx.Response) -> str:
 
 @contextmanager
 def deploy_all_apps(models: dict[str, str], base: str, prefix: str) -> Iterator[DeployedApps]:
-    """Runs the five pipelines (``serve.run``) and deletes them on exit."""
+    """Runs the five pipelines and the OpenAI app (``serve.run``); deletes them on exit."""
     from ray import serve
 
     from pipelines.embed import build_embed_app
     from pipelines.generate import build_generate_app
+    from pipelines.openai_api import build_openai_app
     from pipelines.rag import build_rag_app
     from pipelines.rank import build_rank_app
     from pipelines.search import build_search_app
@@ -136,6 +149,7 @@ def deploy_all_apps(models: dict[str, str], base: str, prefix: str) -> Iterator[
         "generate": build_generate_app,
         "search": build_search_app,
         "rag": build_rag_app,
+        "openai_api": build_openai_app,
     }
     names = {app: f"{prefix}-{app}" for app in APPS}
     args = app_args(models, names)

@@ -441,4 +441,9 @@ HOSTILE: dict[str, list[Hostile]] = {
     "generate": hostile_common("/v1/completions", "prompt")
     + hostile_common("/v1/chat/completions", "messages")
     + GENERATE_HOSTILE,
+    # The one base URL routes by model to the apps above: the same refusals must come back.
+    "openai_api": hostile_common("/v1/embeddings", "input")
+    + hostile_common("/v1/chat/completions", "messages")
+    + hostile_common("/v2/rerank", "query")
+    + GENERATE_HOSTILE,
 }

@@ -54,6 +54,8 @@ REPORT = os.environ.get("CARPOOL_FUZZ_REPORT")
 # Models a generation request may name: the served ones, so fuzzed requests reach the engines
 # (a random string only ever reaches the 404 for an unknown model).
 GENERATE_MODELS = [None, "small", "large", "auto", "tiny-small", "tiny-large"]
+# The OpenAI app routes by model: every served name, so fuzzed bodies reach every pipeline.
+OPENAI_MODELS = [*GENERATE_MODELS, "tiny-encoder", "tiny-cross-encoder", "rag"]
 
 
 def _operations() -> list[tuple[str, str, str]]:
@@ -168,8 +170,9 @@ def test_fuzzed_requests_never_get_5xx(
     if mode == GenerationMode.NEGATIVE and not _takes_input(operation):
         pytest.skip("nothing to make invalid: the operation takes no input")
     base_url = deployed.url(app)
-    takes_model = app == "generate" and bool(operation.body)
-    models = st.sampled_from(GENERATE_MODELS) if takes_model else st.none()
+    choices = {"generate": GENERATE_MODELS, "openai_api": OPENAI_MODELS}.get(app)
+    takes_model = choices is not None and bool(operation.body)
+    models = st.sampled_from(choices) if takes_model else st.none()
 
     @settings(
         max_examples=EXAMPLES,

@@ -16,33 +16,15 @@ from tests.all_apps import DeployedApps, deploy_all_apps
 from tests.all_apps import error_message as _error
 from tests.all_apps import post_json as _post
 
-OPENAI_APP = "oa-openai"
+OPENAI_APP = "oa-openai_api"  # deploy_all_apps runs the OpenAI app with the pipelines
 QUESTION = [{"role": "user", "content": "What colour is the Zorblatt bridge in Quillon?"}]
 
 
 @pytest.fixture(scope="module")
 def apps(serve_http: str, tiny_models: dict[str, str]) -> Iterator[tuple[DeployedApps, str]]:
-    from pipelines.openai_api import build_openai_app
-
     with deploy_all_apps(tiny_models, serve_http, "oa") as deployed:
-        names = deployed.names
-        serve.run(
-            build_openai_app(
-                {
-                    "embed_app": names["embed"],
-                    "rank_app": names["rank"],
-                    "generate_app": names["generate"],
-                    "rag_app": names["rag"],
-                    "ingress": {"num_cpus": 0.05},
-                }
-            ),
-            name=OPENAI_APP,
-            route_prefix=f"/{OPENAI_APP}",
-        )
-        try:
-            yield deployed, f"{serve_http}/{OPENAI_APP}"
-        finally:
-            serve.delete(OPENAI_APP)
+        assert deployed.names["openai_api"] == OPENAI_APP
+        yield deployed, deployed.url("openai_api")
 
 
 def test_models_lists_every_pipelines_models_as_their_own_apps_do(
