@@ -904,7 +904,11 @@ def trace_requests(args: argparse.Namespace) -> Workload:
 
 
 async def _generate_visit(
-    system: SystemSpec, workload: Workload, trace: Workload, args: argparse.Namespace, round_: int
+    system: SystemSpec,
+    workload: Workload,
+    trace: Workload | None,
+    args: argparse.Namespace,
+    round_: int,
 ) -> dict[str, Any]:
     out: dict[str, Any] = {}
     target = system.target("completions")
@@ -924,7 +928,7 @@ async def _generate_visit(
                 flush=True,
             )
         if not args.no_trace:
-            assert trace.arrivals is not None
+            assert trace is not None and trace.arrivals is not None
             s = await open_window(gen, chat, trace.requests, trace.arrivals)
             out["trace-chat"] = s
             print(
@@ -942,7 +946,7 @@ def run_generate(
 
     systems = generate_systems(args.systems or ["carpool", "vllm"], log_dir, args)
     workload = generate_workload(500, args.seed)
-    trace = trace_requests(args)
+    trace = None if args.no_trace else trace_requests(args)  # --no-trace needs no file
     rounds: list[dict[str, Any]] = []
     facts: dict[str, Any] = {s.name: dict(s.facts) for s in systems}
     for r in range(args.rounds):
