@@ -131,27 +131,22 @@ def test_llamaindex_openai_like_chat_and_completion(base: str) -> None:
     from llama_index.core.llms import ChatMessage
     from llama_index.llms.openai_like import OpenAILike
 
-    chat_llm = OpenAILike(
-        api_base=base,
-        api_key="unused",
-        model="small",
-        is_chat_model=True,
-        max_tokens=16,
-        temperature=0,
-        timeout=TIMEOUT_S,
-    )
+    def llm(is_chat_model: bool, max_tokens: int) -> OpenAILike:
+        return OpenAILike(
+            api_base=base,
+            api_key="unused",
+            model="small",
+            is_chat_model=is_chat_model,
+            max_tokens=max_tokens,
+            temperature=0,
+            timeout=TIMEOUT_S,
+        )
+
+    chat_llm = llm(is_chat_model=True, max_tokens=16)
     reply = chat_llm.chat([ChatMessage(role="user", content="Name a colour.")])
     assert reply.message.content and reply.message.content.strip()
     assert chat_llm.complete("The sky is").text.strip()
-    completion_llm = OpenAILike(
-        api_base=base,
-        api_key="unused",
-        model="small",
-        is_chat_model=False,
-        max_tokens=8,
-        temperature=0,
-        timeout=TIMEOUT_S,
-    )
+    completion_llm = llm(is_chat_model=False, max_tokens=8)
     text = completion_llm.complete("The sky is").text
     own = httpx.post(
         f"{base}/completions",
