@@ -377,8 +377,22 @@ PROXY_RECHECK_S = 10.0
 PROXY_TITLE = b"ray::ProxyActor"
 
 
-def serve_proxy_pids(proc: str = "/proc") -> list[int]:
-    """PIDs of Ray Serve HTTP proxies on this node that run as this user."""
+def _parent_pid(proc: str, pid: str) -> int | None:
+    with open(f"{proc}/{pid}/status") as f:
+        for line in f:
+            if line.startswith("PPid:"):
+                return int(line.split()[1])
+    return None
+
+
+def serve_proxy_pids(proc: str = "/proc", parent: int | None = None) -> list[int]:
+    """PIDs of Ray Serve HTTP proxies of this node's raylet (``parent``) run by this user.
+
+    Ray's raylet starts every worker of its node, the proxy and this replica alike, so the
+    proxy of this cluster is the one that shares this process's parent; another cluster on
+    the same machine (a second ``serve run``, a benchmark) is left alone.
+    """
+    parent = os.getppid() if parent is None else parent
     pids = []
     uid = os.getuid()
     for entry in os.listdir(proc):
@@ -389,14 +403,14 @@ def serve_proxy_pids(proc: str = "/proc") -> list[int]:
                 continue
             with open(f"{proc}/{entry}/cmdline", "rb") as f:
                 title = f.read(64)
+            if title.startswith(PROXY_TITLE) and _parent_pid(proc, entry) == parent:
+                pids.append(int(entry))
         except OSError:  # exited meanwhile, or not ours to read
             continue
-        if title.startswith(PROXY_TITLE):
-            pids.append(int(entry))
     return pids
 
 
-def lower_proxy_priority(levels: int) -> list[int]:
+def lower_proxy_priority(levels: int, parent: int | None = None) -> list[int]:
     """Runs Serve's HTTP proxy on this node ``levels`` nice levels below the model replicas.
 
     The proxy parses every request an overload brings and answers each refusal: measured at
@@ -405,7 +419,8 @@ def lower_proxy_priority(levels: int) -> list[int]:
     Lowered, it only takes CPU the models leave; with an idle core it changes nothing.
     The level is relative to where this process started (Ray starts every worker, the proxy
     and the models alike, at the same niceness). A thread is never raised: only its owner or
-    a privileged user may do that. Returns the PIDs changed.
+    a privileged user may do that. ``parent``: the raylet (default: this process's parent).
+    Returns the PIDs changed.
     """
     global _proxy_checked_at
     _proxy_checked_at = time.monotonic()
@@ -413,7 +428,7 @@ def lower_proxy_priority(levels: int) -> list[int]:
         base = _base_niceness if _base_niceness is not None else os.getpriority(os.PRIO_PROCESS, 0)
         target = min(19, base + levels)
         changed = []
-        for pid in serve_proxy_pids():
+        for pid in serve_proxy_pids(parent=parent):
             try:
                 for tid in os.listdir(f"/proc/{pid}/task"):
                     if os.getpriority(os.PRIO_PROCESS, int(tid)) < target:

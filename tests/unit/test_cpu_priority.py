@@ -77,21 +77,32 @@ def _spawn(title: str) -> subprocess.Popen:
 
 
 @pytest.mark.skipif(not Path("/proc/self/task").is_dir(), reason="needs Linux /proc")
-def test_the_serve_proxy_on_this_node_runs_lower_and_nothing_else_does() -> None:
+def test_the_serve_proxy_on_this_node_runs_lower_and_nothing_else_does(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
     import os
 
+    from carpool import http
     from carpool.http import lower_proxy_priority
+
+    # Another test may have built an ingress in this process, which lowered the process and
+    # recorded where it started; here "where Ray started the workers" is this process now.
+    monkeypatch.setattr(http, "_base_niceness", None)
 
     proxy = _spawn("ray::ProxyActor")
     bystander = _spawn("ray::ServeReplica:embed:embedder")
     try:
         start = os.getpriority(os.PRIO_PROCESS, 0)
         expected = min(19, start + 4)
-        assert proxy.pid in lower_proxy_priority(4)
+        # Another cluster's proxy (its raylet is not ours) is left alone.
+        assert lower_proxy_priority(4, parent=proxy.pid) == []
+        assert _thread_niceness(proxy.pid) == {start}
+        # Ours: the children here have this process as their "raylet".
+        assert lower_proxy_priority(4, parent=os.getpid()) == [proxy.pid]
         assert _thread_niceness(proxy.pid) == {expected}
         assert len(list(Path(f"/proc/{proxy.pid}/task").iterdir())) >= 2
         assert _thread_niceness(bystander.pid) == {start}
-        lower_proxy_priority(4)  # again (a refusal re-checks): not 8 levels down
+        lower_proxy_priority(4, parent=os.getpid())  # a refusal re-checks: not 8 levels down
         assert _thread_niceness(proxy.pid) == {expected}
     finally:
         for child in (proxy, bystander):
