@@ -248,7 +248,6 @@ def _options(name: str, args: BaselineArgs) -> dict[str, Any]:
     replica = args.embedder.replica
     return {
         "name": name,
-        "num_replicas": replica.num_replicas,
         "max_ongoing_requests": args.max_ongoing_requests,
         "ray_actor_options": {"num_cpus": replica.num_cpus, "num_gpus": replica.num_gpus},
     }
@@ -342,7 +341,6 @@ def build_naive_rank_app(args: dict[str, Any] | None = None) -> Application:
         serve.deployment(NaiveRanker)
         .options(
             name="naive_ranker",
-            num_replicas=replica.num_replicas,
             max_ongoing_requests=parsed.max_ongoing_requests,
             ray_actor_options={"num_cpus": replica.num_cpus, "num_gpus": replica.num_gpus},
         )

@@ -119,48 +119,38 @@ class BatchingConfig(StrictModel):
     )
 
 
-class AutoscalingSettings(StrictModel):
-    """Serve autoscaling for one deployment, sized for batching."""
+# Replica counts and autoscaling are Serve's own options: they live in the serve config's
+# deployments[] entries, where Serve reads them, not also in carpool's args.
+MOVED_TO_DEPLOYMENTS = {
+    "num_replicas": "num_replicas: N",
+    "autoscaling": "autoscaling_config: {min_replicas, max_replicas, policy: {policy_function: "
+    "carpool.autoscaling:follow_batch_capacity}}",
+}
 
-    min_replicas: int = Field(
-        default=1, ge=0, le=1024, description="0 allows scale to zero (first request waits)."
-    )
-    max_replicas: int = Field(default=1, ge=1, le=1024, description="Upper bound.")
-    target_ongoing_requests: float | None = Field(
-        default=None,
-        gt=0,
-        le=100_000,
-        description="Requests per replica before scaling up; default max_batch_size, because "
-        "a batching replica is only busy when its batches are full (Serve's default of 2 would "
-        "add replicas long before batching pays).",
-    )
-    upscale_delay_s: float = Field(default=10.0, ge=0, le=3600)
-    downscale_delay_s: float = Field(default=120.0, ge=0, le=86_400)
 
-    @model_validator(mode="after")
-    def _bounds(self) -> AutoscalingSettings:
-        if self.min_replicas > self.max_replicas:
-            raise ValueError(
-                f"min_replicas ({self.min_replicas}) must not exceed max_replicas "
-                f"({self.max_replicas})"
-            )
-        return self
+def refuse_moved_serve_fields(data: Any, where: str) -> Any:
+    if isinstance(data, dict):
+        for key, replacement in MOVED_TO_DEPLOYMENTS.items():
+            if key in data:
+                raise ValueError(
+                    f"{where}.{key} is not read here: replica counts and autoscaling are Serve "
+                    f"options, set in the serve config's deployments[] entry of this "
+                    f"deployment (`- name: <deployment>` then `{replacement}`; deployment "
+                    "names: embedder, ranker, small, large, <app>_ingress). README: Scaling"
+                )
+    return data
 
-    def serve_config(self, batch_size: int) -> dict[str, Any]:
-        return {
-            "min_replicas": self.min_replicas,
-            "initial_replicas": self.min_replicas,
-            "max_replicas": self.max_replicas,
-            "target_ongoing_requests": self.target_ongoing_requests or batch_size,
-            "upscale_delay_s": self.upscale_delay_s,
-            "downscale_delay_s": self.downscale_delay_s,
-        }
+
+def batched_max_ongoing(batching: BatchingConfig) -> int:
+    """Default ``max_ongoing_requests`` of a batched model replica: room for every collected
+    batch the executor may plan at once, twice over, so batches fill (Serve's 5 starves
+    them)."""
+    return max(16, 2 * batching.max_batch_size * CONCURRENT_BATCHES)
 
 
 class ReplicaConfig(StrictModel):
     """Resources and Serve options of a model deployment, applied in its ``build_*``."""
 
-    num_replicas: int = Field(default=1, ge=1, le=1024, description="Fixed replica count.")
     num_cpus: float = Field(
         default=0.5,
         gt=0,
@@ -173,9 +163,6 @@ class ReplicaConfig(StrictModel):
         default_factory=dict,
         description="Custom Ray resources per replica, e.g. {carpool_gpu_node: 0.01} to pin a "
         "model to a node type of the cluster.",
-    )
-    autoscaling: AutoscalingSettings | None = Field(
-        default=None, description="Autoscale instead of a fixed num_replicas."
     )
     torch_threads: int | None = Field(
         default=None, ge=1, le=256, description="torch intra-op threads; default ceil(num_cpus)."
@@ -196,12 +183,16 @@ class ReplicaConfig(StrictModel):
         "max_ongoing_requests (Serve's default is unbounded).",
     )
 
-    def serve_options(self, name: str, batching: BatchingConfig) -> dict[str, Any]:
-        ongoing = max(16, 2 * batching.max_batch_size * CONCURRENT_BATCHES)
-        return self.options(name, ongoing, batching.max_batch_size)
+    @model_validator(mode="before")
+    @classmethod
+    def _moved(cls, data: Any) -> Any:
+        return refuse_moved_serve_fields(data, "replica")
 
-    def options(self, name: str, default_ongoing: int, batch_size: int) -> dict[str, Any]:
-        """Serve options; ``batch_size`` is what one replica runs at once (autoscaling target)."""
+    def serve_options(self, name: str, batching: BatchingConfig) -> dict[str, Any]:
+        return self.options(name, batched_max_ongoing(batching))
+
+    def options(self, name: str, default_ongoing: int) -> dict[str, Any]:
+        """Serve options set in code; deployments[] entries override any of them."""
         actor: dict[str, Any] = {"num_cpus": self.num_cpus, "num_gpus": self.num_gpus}
         if self.resources:
             actor["resources"] = dict(self.resources)
@@ -213,10 +204,6 @@ class ReplicaConfig(StrictModel):
             or default_ongoing,
             "ray_actor_options": actor,
         }
-        if self.autoscaling is not None:
-            options["autoscaling_config"] = self.autoscaling.serve_config(batch_size)
-        else:
-            options["num_replicas"] = self.num_replicas
         return options
 
 
@@ -255,7 +242,6 @@ class ModelSourceConfig(StrictModel):
 class IngressConfig(StrictModel):
     """Serve options of a pipeline's HTTP ingress (parsing, validation, fan-out; no model)."""
 
-    num_replicas: int = Field(default=1, ge=1, le=1024, description="Fixed replica count.")
     num_cpus: float = Field(
         default=0.1, gt=0, le=64, description="CPUs reserved per ingress replica."
     )
@@ -292,10 +278,14 @@ class IngressConfig(StrictModel):
         "proxy as Ray starts it.",
     )
 
+    @model_validator(mode="before")
+    @classmethod
+    def _moved(cls, data: Any) -> Any:
+        return refuse_moved_serve_fields(data, "ingress")
+
     def serve_options(self, name: str) -> dict[str, Any]:
         return {
             "name": name,
-            "num_replicas": self.num_replicas,
             "max_ongoing_requests": self.max_ongoing_requests,
             # Bounded, as Serve's default is not: past it the proxy answers 503 at once.
             "max_queued_requests": self.max_ongoing_requests,

@@ -22,6 +22,7 @@ from carpool.admission import (
     deadline_exceeded,
     make_admission_policy,
 )
+from carpool.autoscaling import CAPACITY_METRIC
 from carpool.batching import BatchLimits, Job, LengthAwareExecutor, PassRecord, make_splitter
 from carpool.config import CONCURRENT_BATCHES, BatchingConfig
 from carpool.models import trim_heap
@@ -50,6 +51,11 @@ class BatchedModelServer(Generic[P, R]):
                 f"{self.stage} is unhealthy: its batching worker task ended ({failure}); "
                 "requests it held will not be answered"
             )
+
+    def record_autoscaling_stats(self) -> dict[str, float]:
+        """Serve's custom autoscaling metrics: the requests this replica runs at once under
+        the knobs in force, which ``carpool.autoscaling`` aims at per replica."""
+        return {CAPACITY_METRIC: float(self.batching.max_batch_size)}
 
     def _init_batching(
         self, forward: Callable[[list[P]], list[R]], batching: BatchingConfig

@@ -25,6 +25,7 @@ from ray import serve
 from ray.serve.deployment import Application
 
 from carpool.admission import DEADLINE_HEADER, RequestControls, deadline_exceeded
+from carpool.autoscaling import CAPACITY_METRIC
 from carpool.config import ModelSourceConfig, ReplicaConfig, StrictModel
 from carpool.errors import RequestError
 from carpool.generation.engine import (
@@ -193,10 +194,10 @@ class GeneratorConfig(StrictModel):
         return self
 
     def serve_options(self, name: str) -> dict[str, Any]:
+        # Room for every running sequence and every waiting one the replica's own admission
+        # allows; replica counts and autoscaling come from the serve config's deployments[].
         ongoing = max(64, self.batching.max_num_seqs + self.batching.max_waiting)
-        # Autoscaling (scale to zero included) and node resources come from ReplicaConfig;
-        # a generator replica is full at max_num_seqs running sequences.
-        return self.replica.options(name, ongoing, self.batching.max_num_seqs)
+        return self.replica.options(name, ongoing)
 
 
 def check_kv_budget(
@@ -389,6 +390,11 @@ class GeneratorServer:
 
     def stats(self) -> dict[str, Any]:
         return self.engine.stats()
+
+    def record_autoscaling_stats(self) -> dict[str, float]:
+        """Serve's custom autoscaling metrics: a replica is full at max_num_seqs running
+        sequences under the knobs in force (``carpool.autoscaling`` aims at it)."""
+        return {CAPACITY_METRIC: float(self.batching.max_num_seqs)}
 
     def check_health(self) -> None:
         """Serve's health check: raises when the engine cannot serve, so Serve replaces us.

@@ -9,7 +9,7 @@ import httpx
 import ray
 from ray import serve
 
-from pipelines.embed import build_embed_app
+from tests.conftest import deploy_declaratively
 
 
 def _replica_names(app: str, deployment: str) -> list[str]:
@@ -22,13 +22,23 @@ def _replica_names(app: str, deployment: str) -> list[str]:
 
 
 def test_killing_a_replica_under_load_loses_no_request(serve_http: str, tiny_models: dict) -> None:
-    args = {
-        "embedder": {
-            "source": {"model": tiny_models["encoder"]},
-            "replica": {"num_cpus": 0.25, "num_replicas": 2},
-        }
-    }
-    serve.run(build_embed_app(args), name="fault-embed", route_prefix="/fault-embed")
+    # Two replicas the way a serve config asks for them: Serve's own deployments[] field.
+    deploy_declaratively(
+        [
+            {
+                "name": "fault-embed",
+                "route_prefix": "/fault-embed",
+                "import_path": "pipelines.embed:build_embed_app",
+                "args": {
+                    "embedder": {
+                        "source": {"model": tiny_models["encoder"]},
+                        "replica": {"num_cpus": 0.25},
+                    }
+                },
+                "deployments": [{"name": "embedder", "num_replicas": 2}],
+            }
+        ]
+    )
     url = f"{serve_http}/fault-embed/v1/embeddings"
     victims = _replica_names("fault-embed", "embedder")
     assert len(victims) == 2

@@ -15,6 +15,7 @@ from typing import Any
 import numpy as np
 import pytest
 
+from carpool.autoscaling import CAPACITY_METRIC
 from carpool.generation.engine import GenSequence
 from carpool.generation.sampling import SamplingParams
 from deployments.embedder import EmbedderConfig, EmbeddingDeployment, EmbeddingServer
@@ -214,3 +215,39 @@ def test_the_default_generator_outlives_serves_20_s_default() -> None:
     built = _deployment_config(build_generator_deployment(GeneratorConfig(), "small"))
     assert built.graceful_shutdown_timeout_s >= GeneratorConfig().batching.request_timeout_s
     assert built.graceful_shutdown_timeout_s > 20
+
+
+# --- autoscaling capacity -------------------------------------------------------------------
+
+
+def test_generators_report_the_sequences_they_run_under_the_knobs_in_force(
+    generator: GeneratorServer,
+) -> None:
+    assert generator.record_autoscaling_stats() == {CAPACITY_METRIC: 2.0}
+    generator.reconfigure({"max_num_seqs": 4})  # what `serve deploy` does in place
+    assert generator.record_autoscaling_stats() == {CAPACITY_METRIC: 4.0}
+
+
+def test_batched_models_report_their_batch_size_under_the_knobs_in_force() -> None:
+    embedder = EmbeddingServer(EmbedderConfig(), _Embedder())
+    assert embedder.record_autoscaling_stats() == {CAPACITY_METRIC: 64.0}
+    embedder.reconfigure({"max_batch_size": 8})
+    assert embedder.record_autoscaling_stats() == {CAPACITY_METRIC: 8.0}
+    ranker = RankingServer(
+        RankerConfig.model_validate({"batching": {"max_batch_size": 16}}), scorer=_Scorer()
+    )
+    assert ranker.record_autoscaling_stats() == {CAPACITY_METRIC: 16.0}
+
+
+@pytest.mark.parametrize(
+    ("deployment", "server"),
+    [
+        (GeneratorDeployment, GeneratorServer),
+        (EmbeddingDeployment, EmbeddingServer),
+        (RankingDeployment, RankingServer),
+    ],
+)
+def test_serve_finds_the_autoscaling_stats_on_each_deployment_class(
+    deployment: type, server: type
+) -> None:
+    assert deployment.record_autoscaling_stats is server.record_autoscaling_stats

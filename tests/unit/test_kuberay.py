@@ -117,17 +117,38 @@ def test_serve_yaml_fits_the_head_pod(
     """Every replica's CPU reservation fits the head's CPUs, so the apps start without workers."""
 
     def cpus(node: Any) -> float:
-        # A replica block carries num_cpus (and num_replicas when above 1) in the apps' args.
+        # Reservations are num_cpus blocks in the apps' args, one replica each.
         if isinstance(node, dict):
             own = node.get("num_cpus")
-            total = own * node.get("num_replicas", 1) if isinstance(own, int | float) else 0.0
+            total = own if isinstance(own, int | float) else 0.0
             return total + sum(cpus(v) for k, v in node.items() if k != "num_cpus")
         if isinstance(node, list):
             return sum(cpus(v) for v in node)
         return 0.0
 
-    assert cpus(serve_config["applications"]) > 1  # the walk found the reservations
+    def extra_replicas(app: dict[str, Any]) -> float:
+        # Replica counts are Serve's own deployments[] field: each replica past the first
+        # reserves its deployment's num_cpus again (an ingress's block is args.ingress).
+        extra = 0.0
+        for entry in app.get("deployments") or []:
+            count = entry.get("num_replicas", 1)
+            autoscaling = entry.get("autoscaling_config") or {}
+            count = max(
+                count,
+                autoscaling.get("initial_replicas") or 0,
+                autoscaling.get("min_replicas") or 0,
+            )
+            block_key = "ingress" if entry["name"].endswith("_ingress") else entry["name"]
+            block = app["args"][block_key]
+            block = block.get("replica", block)
+            extra += (count - 1) * block["num_cpus"]
+        return extra
+
+    apps = serve_config["applications"]
+    reserved = cpus(apps) + sum(extra_replicas(app) for app in apps)
+    assert cpus(apps) > 1  # the walk found the reservations
+    assert any(extra_replicas(app) > 0 for app in apps)  # and a deployment with two replicas
     head_cpus = float(
         manifest["spec"]["rayClusterConfig"]["headGroupSpec"]["rayStartParams"]["num-cpus"]
     )
-    assert cpus(serve_config["applications"]) <= head_cpus
+    assert reserved <= head_cpus
