@@ -408,8 +408,9 @@ class GeneratorServer:
 
     def close(self) -> None:
         self.engine.close()
-        if self._grammars is not None:
-            self._grammars.close()
+        grammars, self._grammars = self._grammars, None
+        if grammars is not None:
+            grammars.close()
 
     # --- requests -------------------------------------------------------------------------
 
@@ -733,6 +734,13 @@ class GeneratorDeployment(GeneratorServer):
     def reconfigure(self, user_config: dict[str, Any]) -> None:
         GeneratorServer.reconfigure(self, user_config)
         self._apply_collection()
+
+    def __del__(self) -> None:
+        # Serve calls this once a stopping replica's requests have finished (or its
+        # graceful_shutdown_timeout_s ran out): stop the engine thread, and for vLLM its
+        # engine-core process, instead of leaving them to the actor's kill.
+        if getattr(self, "engine", None) is not None:
+            self.close()
 
     def _apply_collection(self) -> None:
         # Weighted by sequences per request; the largest request must always fit.

@@ -117,6 +117,18 @@ def test_a_closed_engine_fails_the_health_check(generator: GeneratorServer) -> N
         generator.check_health()
 
 
+def test_serves_shutdown_hook_stops_the_engine_thread(generator: GeneratorServer) -> None:
+    _answer(generator)
+    thread = generator.engine._thread
+    assert thread is not None and thread.is_alive()
+    # Serve calls the deployment's __del__ after a stopping replica's requests finished.
+    GeneratorDeployment.__del__(generator)  # type: ignore[arg-type]
+    assert not thread.is_alive()
+    with pytest.raises(RuntimeError, match="closed"):
+        generator.check_health()
+    GeneratorDeployment.__del__(generator)  # type: ignore[arg-type]  # twice is harmless
+
+
 # --- embedder and ranker ------------------------------------------------------------------
 
 
