@@ -149,6 +149,38 @@ def _check_bounds(schema: Any) -> None:
                 stack.append(value)
 
 
+def json_safe_string_bounds(schema: str) -> str:
+    r"""The schema with each length-bounded string given as a pattern of JSON-safe characters.
+
+    xgrammar 0.2.8 compiles ``minLength``/``maxLength`` into ``[^"\\\r\n]{m,n}``, which
+    admits the control characters U+0000-U+001F that JSON forbids unescaped: a random model
+    wrote ``{"name": " lack\x17", ...}``, which no JSON parser reads. The same bounds as
+    ``^[^\x00-\x1f"\\]{m,n}$`` keep the length (characters, as JSON Schema counts them)
+    and exclude them. Strings that carry their own ``pattern`` or ``format`` are left as sent.
+    """
+    value = json.loads(schema)
+    stack: list[Any] = [value]
+    while stack:
+        item = stack.pop()
+        if isinstance(item, list):
+            stack.extend(item)
+            continue
+        if not isinstance(item, dict):
+            continue
+        bounded = "minLength" in item or "maxLength" in item
+        if (
+            item.get("type") == "string"
+            and bounded
+            and "pattern" not in item
+            and "format" not in item
+        ):
+            low = int(item.pop("minLength", 0))
+            high = item.pop("maxLength", None)
+            item["pattern"] = f'^[^\\x00-\\x1f"\\\\]{{{low},{"" if high is None else int(high)}}}$'
+        stack.extend(v for v in item.values() if isinstance(v, (dict, list)))
+    return json.dumps(value, separators=(",", ":"), ensure_ascii=False)
+
+
 def _depth(value: Any) -> int:
     """Nesting depth of objects and arrays, iteratively (a deep body must not recurse)."""
     deepest = 0
@@ -232,7 +264,9 @@ class ConstraintCompiler:
                     '{"type":"object"}', any_whitespace=False, strict_mode=False
                 )
             return compiler.compile_json_schema(
-                constraint.schema or "{}", any_whitespace=False, strict_mode=True
+                json_safe_string_bounds(constraint.schema or "{}"),
+                any_whitespace=False,
+                strict_mode=True,
             )
         except Exception as exc:  # xgrammar raises RuntimeError with what it could not do
             raise ConstraintError(f"the schema cannot be used: {_clean(exc)}") from None

@@ -36,6 +36,7 @@ to install (``VllmNotInstalled``), and nothing else needs it.
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
 import os
 import threading
@@ -56,6 +57,7 @@ from carpool.generation.engine import (
 )
 from carpool.generation.sampling import SamplingParams
 from carpool.generation.scheduler import SchedulerLimits
+from carpool.generation.structured import json_safe_string_bounds
 
 logger = logging.getLogger(__name__)
 
@@ -297,10 +299,15 @@ def structured_outputs_kwargs(constraint: Any) -> dict[str, Any] | None:
     schema goes to vLLM's own structured outputs (xgrammar by default, as in carpool's
     engines), compact JSON as carpool's engines produce it; json_object is the schema of
     any object. The server compiled the schema already, so a bad one never gets here.
+    Length-bounded strings go as JSON-safe patterns, as in carpool's engines (the same
+    xgrammar rule admits control characters otherwise).
     """
     if constraint is None:
         return None
-    return {"json": constraint.schema_dict(), "disable_any_whitespace": True}
+    schema = constraint.schema_dict()
+    if constraint.schema is not None:
+        schema = json.loads(json_safe_string_bounds(constraint.schema))
+    return {"json": schema, "disable_any_whitespace": True}
 
 
 def vllm_priority(

@@ -370,6 +370,34 @@ def _run(engine, seqs: list[GenSequence], collect: Collect) -> None:
         engine.close()
 
 
+def _accepts(compiler: ConstraintCompiler, tokenizer: Any, schema: dict, prefix: str) -> bool:
+    state = compiler.state(compiler.compile(OutputConstraint.json_schema(schema)))
+    return all(state.accept(t) for t in tokenizer.encode(prefix, add_special_tokens=False))
+
+
+@pytest.mark.parametrize("bounds", [{"maxLength": 6}, {"minLength": 1}, {}])
+def test_strings_never_take_control_characters(tiny, compiler, bounds) -> None:
+    """JSON forbids U+0000-U+001F unescaped; a length bound must not let them in (CI saw
+    ``{"name": " lack\x17"}`` from xgrammar's own rule for bounded strings)."""
+    _, tokenizer = tiny
+    schema = {"type": "object", "properties": {"name": {"type": "string", **bounds}}}
+    assert _accepts(compiler, tokenizer, schema, '{"name": "ab')
+    for control in ["\x17", "\x00", "\t", "\n"]:
+        assert not _accepts(compiler, tokenizer, schema, '{"name": "ab' + control), repr(control)
+
+
+def test_string_length_bounds_still_hold(tiny, compiler) -> None:
+    _, tokenizer = tiny
+    bounded = {
+        "type": "object",
+        "properties": {"name": {"type": "string", "minLength": 2, "maxLength": 6}},
+    }
+    assert _accepts(compiler, tokenizer, bounded, '{"name": "abcdef"')
+    assert not _accepts(compiler, tokenizer, bounded, '{"name": "abcdefg')
+    assert not _accepts(compiler, tokenizer, bounded, '{"name": "a"')
+    assert _accepts(compiler, tokenizer, bounded, '{"name": "\u00e9t\u00e9"')
+
+
 @pytest.mark.parametrize("mode", ["continuous", "static"])
 @pytest.mark.parametrize("sampling", [{"temperature": 0.0}, {"temperature": 1.0, "seed": 3}])
 def test_a_random_model_writes_json_that_matches_the_schema(tiny, compiler, mode, sampling):
@@ -492,9 +520,12 @@ def test_vllm_gets_the_schema_as_its_structured_outputs() -> None:
     from carpool.generation.vllm_engine import structured_outputs_kwargs
 
     assert structured_outputs_kwargs(None) is None
-    assert structured_outputs_kwargs(OutputConstraint.json_schema(PERSON)) == {
-        "json": PERSON,
-        "disable_any_whitespace": True,
+    sent = structured_outputs_kwargs(OutputConstraint.json_schema(PERSON))
+    assert sent["disable_any_whitespace"] is True
+    name = sent["json"]["properties"]["name"]
+    assert name == {"type": "string", "pattern": '^[^\\x00-\\x1f"\\\\]{0,6}$'}
+    assert {k: v for k, v in sent["json"]["properties"].items() if k != "name"} == {
+        k: v for k, v in PERSON["properties"].items() if k != "name"
     }
     assert structured_outputs_kwargs(OutputConstraint.json_object())["json"] == {"type": "object"}
 
