@@ -1042,14 +1042,21 @@ def render_tables(results: dict[str, Any]) -> str:
             "### Embeddings (embed-mixed; median over rounds, min-max in brackets)",
             "",
             "| system | items/s, 32 closed-loop clients | p99 ms there | items/s at the highest "
-            "rate with p99 <= 500 ms | rate found (req/s) |",
-            "|---|---|---|---|---|",
+            "rate with p99 <= 500 ms | rate found (req/s) | p99 ms confirming it |",
+            "|---|---|---|---|---|---|",
         ]
         for n, v in s["closed_items_per_s"].items():
             rate = emb.get("search_rates", {}).get(n)
+            confirm_p99 = [
+                r[n]["confirm"]["slo_p99_ms"]
+                for r in emb["rounds"]
+                if n in r and r[n].get("confirm", {}).get("slo_p99_ms") is not None
+            ]
             lines.append(
                 f"| {n} | {fmt(v)} | {fmt(s['closed_p99_ms'][n], 0)} | "
-                f"{fmt(s['slo_items_per_s'][n])} | {rate if rate is not None else 'n/a'} |"
+                f"{fmt(s['slo_items_per_s'][n])} | "
+                f"{'n/a' if rate is None else f'{rate:.2f}'} | "
+                f"{', '.join(f'{p:.0f}' for p in confirm_p99) or 'n/a'} |"
             )
         lines += ["", "| ratio | median (min-max) |", "|---|---|"]
         lines += [f"| {k} | {fmt(v, 2)} |" for k, v in s["ratios"].items()]
