@@ -22,7 +22,7 @@ import json
 import re
 import threading
 from collections import OrderedDict
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any, Literal
@@ -123,14 +123,7 @@ def canonical_schema(schema: Any) -> str:
 
 def _check_bounds(schema: Any) -> None:
     """Refuses length/count bounds and pattern repetitions that would make a huge grammar."""
-    stack: list[Any] = [schema]
-    while stack:
-        item = stack.pop()
-        if isinstance(item, list):
-            stack.extend(item)
-            continue
-        if not isinstance(item, dict):
-            continue
+    for item in _schema_objects(schema):
         for key, value in item.items():
             if key in _COUNT_KEYS and isinstance(value, (int, float)) and value > MAX_SCHEMA_REPEAT:
                 raise ConstraintError(
@@ -145,8 +138,19 @@ def _check_bounds(schema: Any) -> None:
                             f"pattern repeats {match.group(0)}, above {MAX_PATTERN_REPEAT}; "
                             "lower the count"
                         )
-            if isinstance(value, (dict, list)):
-                stack.append(value)
+
+
+def _schema_objects(schema: Any) -> Iterator[dict[str, Any]]:
+    """Every object in a schema, iteratively (a deep body must not recurse); an object may be
+    changed by the caller before its values are visited."""
+    stack: list[Any] = [schema]
+    while stack:
+        item = stack.pop()
+        if isinstance(item, list):
+            stack.extend(item)
+        elif isinstance(item, dict):
+            yield item
+            stack.extend(v for v in item.values() if isinstance(v, (dict, list)))
 
 
 def json_safe_string_bounds(schema: str) -> str:
@@ -159,14 +163,7 @@ def json_safe_string_bounds(schema: str) -> str:
     and exclude them. Strings that carry their own ``pattern`` or ``format`` are left as sent.
     """
     value = json.loads(schema)
-    stack: list[Any] = [value]
-    while stack:
-        item = stack.pop()
-        if isinstance(item, list):
-            stack.extend(item)
-            continue
-        if not isinstance(item, dict):
-            continue
+    for item in _schema_objects(value):
         bounded = "minLength" in item or "maxLength" in item
         if (
             item.get("type") == "string"
@@ -177,7 +174,6 @@ def json_safe_string_bounds(schema: str) -> str:
             low = int(item.pop("minLength", 0))
             high = item.pop("maxLength", None)
             item["pattern"] = f'^[^\\x00-\\x1f"\\\\]{{{low},{"" if high is None else int(high)}}}$'
-        stack.extend(v for v in item.values() if isinstance(v, (dict, list)))
     return json.dumps(value, separators=(",", ":"), ensure_ascii=False)
 
 
