@@ -171,10 +171,10 @@ def test_median_spread_and_ratios() -> None:
     }
 
 
-def embed_visit(items: float, confirm: float | None) -> dict:
+def embed_visit(items: float, confirm: float | None, confirm_p99: float = 450.0) -> dict:
     out: dict = {"closed": {"items_per_s": items, "latency_ms": {"p99": 400.0}}}
     if confirm is not None:
-        out["confirm"] = {"items_per_s": confirm, "passed": True}
+        out["confirm"] = {"items_per_s": confirm, "passed": True, "slo_p99_ms": confirm_p99}
     return out
 
 
@@ -202,6 +202,33 @@ def test_report_block_is_replaced_and_hand_text_kept(tmp_path: Path) -> None:
     text = path.read_text()
     assert "reading" in text and "after" in text and "old" not in text
     assert "| carpool/infinity-torch closed-32 | 2.00 (2.00-2.00) |" in text
+
+
+def test_report_shows_the_rate_found_and_each_confirmations_p99(tmp_path: Path) -> None:
+    path = tmp_path / "PEERS.md"
+    rounds = [
+        {"carpool": embed_visit(40, 30, 480.4), "infinity-torch": embed_visit(20, None)},
+        {"carpool": embed_visit(40, 30, 612.0), "infinity-torch": embed_visit(20, None)},
+    ]
+    results = {
+        "embed": {
+            "summary": peers.summarise_embed(rounds),
+            "rounds": rounds,
+            "search_rates": {"carpool": 4.710019973780311},
+        }
+    }
+    peers.write_report(results, path)
+    rows = {line.split(" | ")[0]: line for line in path.read_text().splitlines()}
+    assert rows["| carpool"].endswith("| 4.71 | 480, 612 |")
+    assert rows["| infinity-torch"].endswith("| n/a | n/a |")
+
+
+@pytest.mark.parametrize(
+    ("rate", "seconds"),
+    [(10.0, 30.0), (4.5, 300 / 4.5), (1.0, 120.0), (100.0, 20.0)],
+)
+def test_search_probes_aim_at_the_confirmations_request_count(rate: float, seconds: float) -> None:
+    assert peers.probe_span(rate, 300, 20.0, 120.0) == pytest.approx(seconds)
 
 
 def test_merge_keeps_the_other_phase() -> None:
