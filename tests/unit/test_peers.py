@@ -283,3 +283,17 @@ def test_the_streaming_client_times_each_chunk_as_it_arrives() -> None:
     assert record.status == 200 and record.chunks == 2 and record.tokens == 2
     assert record.first_token is not None and record.last_token is not None
     assert record.last_token - record.first_token >= 0.25
+
+
+def test_a_generate_result_without_the_trace_phase() -> None:
+    # `peers generate --no-trace` crashed saving its result: there is no trace to describe.
+    import argparse
+
+    from benchmarks.workloads import Workload
+
+    request = GenerateRequest(prompt="hi", max_tokens=8, est_tokens=9)
+    workload = Workload("generate-mixed", [request], description={"kind": "generate"})
+    args = argparse.Namespace(concurrency=[16], no_trace=True, duration=60.0)
+    out = peers.generate_result(workload, None, {}, [], args)
+    assert out["trace"] is None
+    assert out["workload"] == {"kind": "generate"}

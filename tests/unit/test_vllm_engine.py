@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import random
 import sys
+from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
@@ -22,6 +23,7 @@ from carpool.generation.vllm_engine import (
     engine_env,
     finish_reason,
     import_vllm,
+    replica_python,
     resolve_dtype,
     sampling_kwargs,
     step_record,
@@ -251,3 +253,50 @@ def test_the_routers_prediction_reaches_the_sequences(
         assert [s.predicted_tokens for s in seqs] == [predicted]
     finally:
         server.close()
+
+
+def test_replica_python_prefers_the_serving_python_then_the_vllm_venv(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("HOME", str(tmp_path))
+    monkeypatch.delenv("CARPOOL_VLLM_PYTHON", raising=False)
+    assert replica_python(None, vllm_here=True) is None
+    # No vLLM here and no venv: the serving Python, whose start then names what to install.
+    assert replica_python(None, vllm_here=False) is None
+    venv_python = tmp_path / ".cache/carpool/venvs/vllm-cpu/bin/python"
+    venv_python.parent.mkdir(parents=True)
+    venv_python.write_text("#!/bin/sh\n")
+    venv_python.chmod(0o755)
+    assert replica_python(None, vllm_here=False) == str(venv_python)
+    assert replica_python(None, vllm_here=True) is None
+    assert replica_python("~/.cache/carpool/venvs/vllm-cpu/bin/python") == str(venv_python)
+    # A venv moved with the Makefile's VLLM_HOME is found through the variable it exports.
+    moved = tmp_path / "elsewhere" / "python"
+    moved.parent.mkdir()
+    moved.write_text("#!/bin/sh\n")
+    moved.chmod(0o755)
+    monkeypatch.setenv("CARPOOL_VLLM_PYTHON", str(moved))
+    assert replica_python(None, vllm_here=False) == str(moved)
+
+
+@pytest.mark.parametrize("bad", ["/nonexistent/bin/python", "."])
+def test_replica_python_refuses_what_cannot_run(bad: str) -> None:
+    with pytest.raises(ValueError, match=r"vllm\.python .* is not an executable file"):
+        replica_python(bad)
+
+
+def test_a_vllm_generator_starts_under_the_chosen_python(tmp_path: Path) -> None:
+    python = tmp_path / "python"
+    python.write_text("#!/bin/sh\n")
+    python.chmod(0o755)
+    config = GeneratorConfig(mode="vllm", vllm=VllmOptions(python=str(python)))
+    env = config.serve_options("small")["ray_actor_options"]["runtime_env"]
+    assert env["py_executable"] == str(python)
+    # The replica imports this checkout's carpool, whatever the venv has installed.
+    root = Path(env["env_vars"]["PYTHONPATH"])
+    assert (root / "carpool" / "generation" / "vllm_engine.py").is_file()
+    # Other modes never leave the serving Python.
+    plain = GeneratorConfig(mode="continuous", vllm=VllmOptions(python=str(python)))
+    assert "runtime_env" not in plain.serve_options("small")["ray_actor_options"]
+    with pytest.raises(ValueError, match=r"vllm\.python"):
+        GeneratorConfig(mode="vllm", vllm=VllmOptions(python="/no/such")).serve_options("x")
