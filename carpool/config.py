@@ -7,6 +7,7 @@ calls ``reconfigure()`` on the live replicas, same process).
 
 from __future__ import annotations
 
+import math
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
@@ -165,7 +166,26 @@ class ReplicaConfig(StrictModel):
         "model to a node type of the cluster.",
     )
     torch_threads: int | None = Field(
-        default=None, ge=1, le=256, description="torch intra-op threads; default ceil(num_cpus)."
+        default=None,
+        ge=1,
+        le=256,
+        description="torch intra-op threads; default ceil(num_cpus). With thread_policy "
+        "idle_cores, the fewest a pass runs on.",
+    )
+    thread_policy: Literal["reserved", "idle_cores"] = Field(
+        default="reserved",
+        description="Threads per model pass (embedder and ranker). reserved: torch_threads, "
+        "fixed. idle_cores: torch_threads plus the cores of this node no other process kept "
+        "busy during the previous pass (up to max_torch_threads), so a replica alone on a "
+        "node computes on all of it and shrinks back within one pass when others need the "
+        "cores (carpool.threads).",
+    )
+    max_torch_threads: int | None = Field(
+        default=None,
+        ge=1,
+        le=256,
+        description="thread_policy idle_cores: the most threads a pass may take. Default: the "
+        "cores this process may run on (CPU affinity, capped by a cgroup CPU quota).",
     )
     max_ongoing_requests: int | None = Field(
         default=None,
@@ -187,6 +207,31 @@ class ReplicaConfig(StrictModel):
     @classmethod
     def _moved(cls, data: Any) -> Any:
         return refuse_moved_serve_fields(data, "replica")
+
+    @model_validator(mode="after")
+    def _thread_bounds(self) -> ReplicaConfig:
+        if self.max_torch_threads is not None and self.thread_policy != "idle_cores":
+            raise ValueError(
+                f"max_torch_threads ({self.max_torch_threads}) bounds thread_policy: "
+                f"idle_cores, but thread_policy is {self.thread_policy!r}: set the policy or "
+                "remove max_torch_threads (torch_threads fixes a reserved count)"
+            )
+        if (
+            self.max_torch_threads is not None
+            and self.torch_threads is not None
+            and self.max_torch_threads < self.torch_threads
+        ):
+            raise ValueError(
+                f"max_torch_threads ({self.max_torch_threads}) is below torch_threads "
+                f"({self.torch_threads}), the fewest a pass runs on: raise it or lower "
+                "torch_threads"
+            )
+        return self
+
+    @property
+    def reserved_threads(self) -> int:
+        """torch_threads, else ceil(num_cpus)."""
+        return self.torch_threads or max(1, math.ceil(self.num_cpus))
 
     def serve_options(self, name: str, batching: BatchingConfig) -> dict[str, Any]:
         return self.options(name, batched_max_ongoing(batching))

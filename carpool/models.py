@@ -24,9 +24,17 @@ import threading
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any, Generic, TypeVar
+
+from carpool.threads import ThreadPolicy, make_thread_policy
 
 logger = logging.getLogger(__name__)
+
+if TYPE_CHECKING:
+    from carpool.config import ReplicaConfig
+
+P = TypeVar("P")
+R = TypeVar("R")
 
 PACKAGED_PREFIX = "packaged:"
 
@@ -394,6 +402,39 @@ def size_torch_threads(num_cpus: float | None, explicit: int | None = None) -> i
     threads = min(threads, os.cpu_count() or threads)
     torch.set_num_threads(threads)
     return threads
+
+
+class ThreadedForward(Generic[P, R]):
+    """A model's blocking ``forward`` that sets torch's threads from a policy before each pass.
+
+    The count is set in the thread that runs the pass: OpenMP keeps the thread count per
+    calling thread, and passes run in worker threads (``asyncio.to_thread``).
+    """
+
+    def __init__(self, forward: Callable[[list[P]], list[R]], policy: ThreadPolicy) -> None:
+        self.forward = forward
+        self.policy = policy
+        self.last_threads: int | None = None
+
+    def __call__(self, batch: list[P]) -> list[R]:
+        import torch
+
+        threads = self.policy.threads()
+        if torch.get_num_threads() != threads:
+            torch.set_num_threads(threads)
+        self.last_threads = threads
+        return self.forward(batch)
+
+
+def threaded_forward(
+    forward: Callable[[list[P]], list[R]], replica: ReplicaConfig
+) -> Callable[[list[P]], list[R]]:
+    """Sizes torch's threads for ``replica`` and returns the forward its passes should call."""
+    reserved = size_torch_threads(replica.num_cpus, replica.torch_threads)
+    if replica.thread_policy == "reserved":
+        return forward
+    policy = make_thread_policy(replica.thread_policy, reserved, replica.max_torch_threads)
+    return ThreadedForward(forward, policy)
 
 
 # --- the multi-part Qwen wheels -------------------------------------------------------------

@@ -13,6 +13,7 @@ import asyncio
 import json
 import os
 import threading
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, Literal, Protocol
 
@@ -24,7 +25,7 @@ from ray.serve.deployment import Application
 from carpool.admission import RequestControls
 from carpool.config import BatchingConfig, ModelSourceConfig, ReplicaConfig, StrictModel
 from carpool.errors import RequestError
-from carpool.models import load_pretrained, resolve_pooling, size_torch_threads
+from carpool.models import load_pretrained, resolve_pooling, threaded_forward
 from carpool.server import BatchedModelServer
 from carpool.serving import ServeBatching, make_collector
 
@@ -186,11 +187,12 @@ class EmbeddingServer(BatchedModelServer[list[int], np.ndarray]):
             if isinstance(config, EmbedderConfig)
             else EmbedderConfig.model_validate(config or {})
         )
+        forward: Callable[[list[list[int]]], list[np.ndarray]] | None = None
         if model is None:
-            size_torch_threads(self.config.replica.num_cpus, self.config.replica.torch_threads)
             model = TextEmbedder(self.config)
+            forward = threaded_forward(model.embed_ids, self.config.replica)
         self.model: EmbeddingModel = model
-        self._init_batching(self.model.embed_ids, self.config.batching)
+        self._init_batching(forward or self.model.embed_ids, self.config.batching)
 
     def describe(self) -> dict[str, Any]:
         return {

@@ -190,6 +190,16 @@ class GeneratorConfig(StrictModel):
     )
 
     @model_validator(mode="after")
+    def _fixed_threads(self) -> GeneratorConfig:
+        if self.replica.thread_policy != "reserved":
+            raise ValueError(
+                f"replica.thread_policy {self.replica.thread_policy!r} applies to the embedder "
+                "and ranker; a generator's engine keeps the threads it starts with "
+                "(replica.torch_threads, or vllm.cpu_omp_threads_bind for mode: vllm): remove it"
+            )
+        return self
+
+    @model_validator(mode="after")
     def _one_context_length(self) -> GeneratorConfig:
         ours, theirs = self.limits.max_seq_len, self.vllm.max_model_len
         if ours is not None and theirs is not None and ours != theirs:

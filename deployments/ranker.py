@@ -16,6 +16,7 @@ from __future__ import annotations
 import asyncio
 import math
 import threading
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, Literal, Protocol
 
@@ -26,7 +27,7 @@ from ray.serve.deployment import Application
 from carpool.admission import RequestControls
 from carpool.config import BatchingConfig, ModelSourceConfig, ReplicaConfig, StrictModel
 from carpool.errors import RequestError
-from carpool.models import load_pretrained, size_torch_threads
+from carpool.models import load_pretrained, threaded_forward
 from carpool.server import BatchedModelServer
 from carpool.serving import ServeBatching, make_collector
 
@@ -282,12 +283,13 @@ class RankingServer(BatchedModelServer[Pair, float]):
             if isinstance(config, RankerConfig)
             else RankerConfig.model_validate(config or {})
         )
+        forward: Callable[[list[Pair]], list[float]] | None = None
         if scorer is None:
-            size_torch_threads(self.config.replica.num_cpus, self.config.replica.torch_threads)
             cls = LlmPointwiseScorer if self.config.backend == "llm" else CrossEncoderScorer
             scorer = cls(self.config)
+            forward = threaded_forward(scorer.score, self.config.replica)
         self.scorer: PairScorer = scorer
-        self._init_batching(self.scorer.score, self.config.batching)
+        self._init_batching(forward or self.scorer.score, self.config.batching)
 
     def describe(self) -> dict[str, Any]:
         return {

@@ -1,0 +1,241 @@
+"""Thread policies: the idle-core arithmetic on made-up counters, the Linux sampler on made-up
+/proc and cgroup files, and the wrapper that applies a count in the thread running the pass."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import threading
+from pathlib import Path
+
+import pytest
+
+from carpool.threads import (
+    CLOCK_TICKS,
+    CpuSample,
+    IdleCoreThreads,
+    ProcStatSampler,
+    ReservedThreads,
+    make_thread_policy,
+    usable_cores,
+)
+
+
+class ScriptedCounters:
+    """A sampler whose counters advance as a test says: wall seconds, others' and own CPU."""
+
+    def __init__(self, cores: int = 2) -> None:
+        self.cores = cores
+        self.now = CpuSample(100.0, 1000.0, 10.0)
+        self.readable = True
+
+    def advance(self, wall_s: float, others_cores: float, own_cores: float) -> None:
+        own = own_cores * wall_s
+        busy = (others_cores + own_cores) * wall_s
+        n = self.now
+        self.now = CpuSample(n.at_s + wall_s, n.busy_s + busy, n.own_s + own)
+
+    def sample(self) -> CpuSample | None:
+        return self.now if self.readable else None
+
+
+def test_idle_cores_takes_the_cores_no_one_else_uses() -> None:
+    counters = ScriptedCounters(cores=2)
+    policy = IdleCoreThreads(floor=1, ceiling=2, sampler=counters)
+    assert policy.threads() == 1  # nothing measured yet: the reservation
+    # A pass of our own on one core while the rest of the node idles: take both.
+    counters.advance(0.5, others_cores=0.0, own_cores=1.0)
+    assert policy.threads() == 2
+    # Our own two-thread pass keeps both cores busy; that is not competition.
+    counters.advance(0.5, others_cores=0.0, own_cores=2.0)
+    assert policy.threads() == 2
+    # Ray's proxy at 0.3 core leaves room for the second thread.
+    counters.advance(0.5, others_cores=0.3, own_cores=1.7)
+    assert policy.threads() == 2
+    # Another replica starts computing on a whole core: give it back on the next pass.
+    counters.advance(0.5, others_cores=1.0, own_cores=1.0)
+    assert policy.threads() == 1
+    assert policy.others_cores == pytest.approx(1.0)
+    # It stops: the core comes back.
+    counters.advance(0.5, others_cores=0.0, own_cores=1.0)
+    assert policy.threads() == 2
+
+
+def test_idle_cores_never_goes_below_the_reservation_or_above_the_ceiling() -> None:
+    counters = ScriptedCounters(cores=8)
+    policy = IdleCoreThreads(floor=2, ceiling=4, sampler=counters)
+    policy.threads()
+    counters.advance(1.0, others_cores=8.0, own_cores=0.0)  # a saturated node
+    assert policy.threads() == 2
+    counters.advance(1.0, others_cores=0.0, own_cores=2.0)  # an idle one
+    assert policy.threads() == 4
+    # The ceiling is also capped by the cores the process may run on.
+    assert IdleCoreThreads(floor=1, ceiling=16, sampler=ScriptedCounters(cores=2)).ceiling == 2
+
+
+def test_idle_cores_keeps_its_count_over_a_window_too_short_to_judge() -> None:
+    counters = ScriptedCounters(cores=2)
+    policy = IdleCoreThreads(floor=1, ceiling=2, sampler=counters)
+    policy.threads()
+    counters.advance(1.0, others_cores=0.0, own_cores=1.0)
+    assert policy.threads() == 2
+    counters.advance(0.01, others_cores=2.0, own_cores=0.0)  # 10 ms: noise
+    assert policy.threads() == 2
+    # The short window is not lost: it counts in the next long enough one.
+    counters.advance(0.09, others_cores=2.0, own_cores=0.0)
+    assert policy.threads() == 1
+
+
+def test_unreadable_counters_fall_back_to_the_reservation() -> None:
+    counters = ScriptedCounters(cores=2)
+    policy = IdleCoreThreads(floor=1, ceiling=2, sampler=counters)
+    policy.threads()
+    counters.advance(1.0, others_cores=0.0, own_cores=1.0)
+    assert policy.threads() == 2
+    counters.readable = False
+    assert policy.threads() == 1
+
+
+def test_policies_are_picked_by_name() -> None:
+    assert isinstance(make_thread_policy("reserved", 3), ReservedThreads)
+    assert make_thread_policy("reserved", 3).threads() == 3
+    idle = make_thread_policy("idle_cores", 1, 2, sampler=ScriptedCounters(cores=4))
+    assert isinstance(idle, IdleCoreThreads) and idle.ceiling == 2
+    with pytest.raises(ValueError, match="not one of"):
+        make_thread_policy("all_of_them", 1)
+
+
+def _fake_proc(tmp_path: Path, cpus: dict[int, list[int]]) -> Path:
+    lines = ["cpu  1 2 3 4 5 6 7 8 0 0"]
+    lines += [f"cpu{i} " + " ".join(str(v) for v in f) + " 0 0" for i, f in cpus.items()]
+    lines += ["intr 12345", "ctxt 999", "btime 1700000000"]
+    (tmp_path / "stat").write_text("\n".join(lines) + "\n")
+    return tmp_path
+
+
+def test_proc_stat_sampler_counts_busy_ticks_of_its_own_cores(tmp_path: Path) -> None:
+    mine = sorted(os.sched_getaffinity(0))
+    # user nice system idle iowait irq softirq steal: idle and iowait are not busy.
+    cpus = {i: [100, 10, 50, 9000, 400, 5, 5, 30] for i in mine}
+    cpus[max(mine) + 1] = [10_000, 0, 0, 0, 0, 0, 0, 0]  # a core this process may not use
+    sampler = ProcStatSampler(_fake_proc(tmp_path, cpus), cores=len(mine))
+    sample = sampler.sample()
+    assert sample is not None
+    assert sample.busy_s == pytest.approx(len(mine) * 200 / CLOCK_TICKS)
+    assert sampler.cores == len(mine)
+
+
+def test_proc_stat_sampler_without_counters_says_so(tmp_path: Path) -> None:
+    assert ProcStatSampler(tmp_path, cores=2).sample() is None  # no stat file
+    (tmp_path / "stat").write_text("intr 1\n")
+    assert ProcStatSampler(tmp_path, cores=2).sample() is None  # no cpuN lines
+
+
+def test_the_live_sampler_sees_this_process_compute() -> None:
+    sampler = ProcStatSampler()
+    before = sampler.sample()
+    assert before is not None  # these tests run on Linux
+    x = 0
+    for i in range(3_000_000):
+        x += i * i
+    after = sampler.sample()
+    assert after is not None
+    assert after.own_s > before.own_s
+    assert after.busy_s >= before.busy_s
+
+
+def test_usable_cores_honours_a_cgroup_quota(tmp_path: Path) -> None:
+    affinity = len(os.sched_getaffinity(0))
+    cgroup = tmp_path / "sys/fs/cgroup"
+    cgroup.mkdir(parents=True)
+    (cgroup / "cpu.max").write_text("max 100000\n")
+    assert usable_cores(tmp_path) == affinity
+    (cgroup / "cpu.max").write_text("150000 100000\n")  # 1.5 CPUs: one whole thread
+    assert usable_cores(tmp_path) == 1
+
+
+def test_threaded_forward_sets_the_count_in_the_thread_that_runs_the_pass() -> None:
+    import torch
+
+    from carpool.models import ThreadedForward
+
+    class Alternating:
+        def __init__(self) -> None:
+            self.counts = [2, 1, 2]
+
+        def threads(self) -> int:
+            return self.counts.pop(0)
+
+    seen: list[tuple[int, int]] = []
+
+    def forward(batch: list[int]) -> list[int]:
+        seen.append((threading.get_ident(), torch.get_num_threads()))
+        return batch
+
+    wrapped = ThreadedForward(forward, Alternating())
+    main_threads = torch.get_num_threads()
+
+    async def passes() -> None:
+        for _ in range(3):
+            assert await asyncio.to_thread(wrapped, [1, 2]) == [1, 2]
+
+    asyncio.run(passes())
+    assert [n for _, n in seen] == [2, 1, 2]
+    assert wrapped.last_threads == 2
+    assert torch.get_num_threads() == main_threads  # the event loop's thread is left alone
+
+
+def test_thread_policy_config_refuses_what_it_would_ignore() -> None:
+    from carpool.config import ReplicaConfig
+    from deployments.generator import GeneratorConfig
+
+    with pytest.raises(ValueError, match="max_torch_threads"):
+        ReplicaConfig(max_torch_threads=2)
+    with pytest.raises(ValueError, match="below torch_threads"):
+        ReplicaConfig(thread_policy="idle_cores", torch_threads=4, max_torch_threads=2)
+    assert ReplicaConfig(num_cpus=0.5).reserved_threads == 1
+    assert ReplicaConfig(num_cpus=1.5, thread_policy="idle_cores").reserved_threads == 2
+    with pytest.raises(ValueError, match="thread_policy"):
+        GeneratorConfig.model_validate({"replica": {"thread_policy": "idle_cores"}})
+
+
+def test_an_embedder_on_idle_cores_returns_the_vectors_of_a_fixed_one(
+    tmp_path_factory: pytest.TempPathFactory,
+) -> None:
+    """The thread count may change from pass to pass; an item's vector must not."""
+    import numpy as np
+
+    from carpool.models import ThreadedForward
+    from deployments.embedder import EmbedderConfig, EmbeddingServer
+    from tests.factories import build_tiny_models
+
+    path = build_tiny_models(tmp_path_factory.mktemp("tiny-threads"))["encoder"]
+    texts = [f"text number {i} " + "word " * (i * 7 % 40) for i in range(12)]
+
+    def server(**replica: object) -> EmbeddingServer:
+        config = {"source": {"model": path}, "replica": {"num_cpus": 0.5, **replica}}
+        return EmbeddingServer(EmbedderConfig.model_validate(config))
+
+    fixed = server()
+    assert not isinstance(fixed.executor._forward, ThreadedForward)
+    reference = asyncio.run(fixed.embed(texts)).vectors
+    elastic = server(thread_policy="idle_cores", max_torch_threads=2)
+    wrapped = elastic.executor._forward
+    assert isinstance(wrapped, ThreadedForward)
+    for counts in ([1], [2], [2, 1, 2, 1]):
+        wrapped.policy = ReservedCycle(counts)
+        got = asyncio.run(elastic.embed(texts)).vectors
+        np.testing.assert_allclose(np.stack(got), np.stack(reference), atol=1e-5)
+        assert wrapped.last_threads in counts
+
+
+class ReservedCycle:
+    """A policy that cycles through given counts (drives the wrapper, not under test)."""
+
+    def __init__(self, counts: list[int]) -> None:
+        self.counts, self.i = counts, 0
+
+    def threads(self) -> int:
+        n = self.counts[self.i % len(self.counts)]
+        self.i += 1
+        return n
