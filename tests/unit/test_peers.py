@@ -70,6 +70,9 @@ def test_vllm_command_line_and_env() -> None:
     assert "--max-model-len 2048" in text
     assert peers.vllm_env(4) == {"VLLM_CPU_KVCACHE_SPACE": "4", "VLLM_NO_USAGE_STATS": "1"}
     assert peers.vllm_env(2, "0")["VLLM_CPU_OMP_THREADS_BIND"] == "0"
+    allcores = peers.vllm_env(4, **peers.VLLM_VARIANTS["vllm-allcores"])
+    assert allcores["VLLM_CPU_NUM_OF_RESERVED_CPU"] == "0"
+    assert "VLLM_CPU_OMP_THREADS_BIND" not in allcores
 
 
 def test_onnx_export_plan_links_the_original_and_puts_the_graph_at_the_top() -> None:

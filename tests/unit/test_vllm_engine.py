@@ -100,6 +100,25 @@ def test_engine_env_sizes_the_cpu_kv_cache_always() -> None:
     env = engine_env(VllmOptions(cpu_kvcache_space_gib=2, cpu_omp_threads_bind="0"))
     assert env["VLLM_CPU_KVCACHE_SPACE"] == "2"
     assert env["VLLM_CPU_OMP_THREADS_BIND"] == "0"
+    assert "VLLM_CPU_NUM_OF_RESERVED_CPU" not in env  # vLLM's own reservation by default
+
+
+def test_reserved_cores_reach_vllms_automatic_binding_or_are_refused() -> None:
+    env = engine_env(VllmOptions(cpu_reserved_cores=0))
+    assert env["VLLM_CPU_NUM_OF_RESERVED_CPU"] == "0"
+    assert "VLLM_CPU_OMP_THREADS_BIND" not in env
+    assert "VLLM_CPU_NUM_OF_RESERVED_CPU" not in engine_env(
+        VllmOptions(cpu_reserved_cores=0), "cuda"
+    )
+    assert (
+        engine_env(VllmOptions(cpu_reserved_cores=1, cpu_omp_threads_bind="auto"))[
+            "VLLM_CPU_NUM_OF_RESERVED_CPU"
+        ]
+        == "1"
+    )
+    # An explicit core list leaves nothing to reserve: refused, naming both fields.
+    with pytest.raises(ValueError, match=r"cpu_reserved_cores.*cpu_omp_threads_bind"):
+        VllmOptions(cpu_reserved_cores=0, cpu_omp_threads_bind="0-1")
 
 
 @pytest.mark.parametrize(
