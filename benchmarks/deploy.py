@@ -63,6 +63,10 @@ def carpool_rank_args(resources: Resources) -> dict[str, Any]:
     args, user_config = serve_yaml_app("rank", "ranker")
     ranker = dict(args.get("ranker") or {})
     ranker["batching"] = {**(ranker.get("batching") or {}), **user_config}
+    # Equal threads with the naive ranker it is compared with (see carpool_embed_args).
+    replica = {**(ranker.get("replica") or {}), "thread_policy": "reserved"}
+    replica.pop("max_torch_threads", None)
+    ranker["replica"] = replica
     args["ranker"] = ranker
     ingress = dict(args.get("ingress") or {})
     ingress["num_cpus"] = resources.ingress_num_cpus
@@ -117,7 +121,13 @@ def carpool_embed_args(resources: Resources, batching: dict[str, Any] | None = N
     source["model"] = resources.model
     embedder["source"] = source
     replica = dict(embedder.get("replica") or {})
-    replica.update(num_cpus=resources.num_cpus, torch_threads=resources.torch_threads)
+    # The suite compares batching strategies at equal threads: the baselines cannot take
+    # idle cores, so carpool's thread_policy is pinned to the same fixed count here (the
+    # peers comparison, benchmarks/peers.py, runs serve.yaml's idle_cores as shipped).
+    replica.update(
+        num_cpus=resources.num_cpus, torch_threads=resources.torch_threads, thread_policy="reserved"
+    )
+    replica.pop("max_torch_threads", None)
     embedder["replica"] = replica
     embedder["batching"] = {
         **(embedder.get("batching") or {}),

@@ -637,7 +637,7 @@ applications:
     import_path: pipelines.embed:build_embed_app
     args:
       embedder:
-        replica: {num_cpus: 0.5}
+        replica: {num_cpus: 0.5, thread_policy: idle_cores, max_torch_threads: 2}
         batching: {max_batch_size: 16, pass_overhead_tokens: 10}
     deployments:
       - name: embedder
@@ -654,6 +654,9 @@ applications:
         "batch_wait_timeout_s": 0.0,  # the benchmark's override wins over both
     }
     assert args["embedder"]["replica"]["torch_threads"] == 1
+    # Equal threads with the baselines: serve.yaml's idle-core policy is not taken along.
+    assert args["embedder"]["replica"]["thread_policy"] == "reserved"
+    assert "max_torch_threads" not in args["embedder"]["replica"]
     # A variant's "ingress" key sets the ingress, not the embedder's batching.
     args = deploy.carpool_embed_args(resources, {"ingress": {"cpu_niceness": 0}})
     assert args["ingress"]["cpu_niceness"] == 0 and "ingress" not in args["embedder"]["batching"]
