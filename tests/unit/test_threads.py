@@ -73,12 +73,18 @@ def test_idle_cores_never_goes_below_the_reservation_or_above_the_ceiling() -> N
     assert IdleCoreThreads(floor=1, ceiling=16, sampler=ScriptedCounters(cores=2)).ceiling == 2
 
 
-def test_idle_cores_keeps_its_count_over_a_window_too_short_to_judge() -> None:
+def _on_idle_pair() -> tuple[ScriptedCounters, IdleCoreThreads]:
+    """A 2-core node whose policy has already seen one idle window (two threads)."""
     counters = ScriptedCounters(cores=2)
     policy = IdleCoreThreads(floor=1, ceiling=2, sampler=counters)
     policy.threads()
     counters.advance(1.0, others_cores=0.0, own_cores=1.0)
     assert policy.threads() == 2
+    return counters, policy
+
+
+def test_idle_cores_keeps_its_count_over_a_window_too_short_to_judge() -> None:
+    counters, policy = _on_idle_pair()
     counters.advance(0.01, others_cores=2.0, own_cores=0.0)  # 10 ms: noise
     assert policy.threads() == 2
     # The short window is not lost: it counts in the next long enough one.
@@ -87,11 +93,7 @@ def test_idle_cores_keeps_its_count_over_a_window_too_short_to_judge() -> None:
 
 
 def test_unreadable_counters_fall_back_to_the_reservation() -> None:
-    counters = ScriptedCounters(cores=2)
-    policy = IdleCoreThreads(floor=1, ceiling=2, sampler=counters)
-    policy.threads()
-    counters.advance(1.0, others_cores=0.0, own_cores=1.0)
-    assert policy.threads() == 2
+    counters, policy = _on_idle_pair()
     counters.readable = False
     assert policy.threads() == 1
 
