@@ -972,7 +972,10 @@ def run_generate(
 ) -> dict[str, Any]:
     from benchmarks.workloads import generate_workload
 
-    systems = generate_systems(args.systems or ["carpool", "vllm"], log_dir, args)
+    # vllm-allcores beside vllm: carpool's default computes on both cores, vLLM's leaves one
+    # to its API server; the report shows vLLM's own server both ways.
+    default = ["carpool", "vllm", "vllm-allcores"]
+    systems = generate_systems(args.systems or default, log_dir, args)
     workload = generate_workload(500, args.seed)
     trace = None if args.no_trace else trace_requests(args)  # --no-trace needs no file
     rounds: list[dict[str, Any]] = []
