@@ -412,16 +412,17 @@ class ThreadedForward(Generic[P, R]):
     """
 
     def __init__(self, forward: Callable[[list[P]], list[R]], policy: ThreadPolicy) -> None:
+        import torch
+
+        self._torch = torch  # looked up once, not on every pass
         self.forward = forward
         self.policy = policy
         self.last_threads: int | None = None
 
     def __call__(self, batch: list[P]) -> list[R]:
-        import torch
-
         threads = self.policy.threads()
-        if torch.get_num_threads() != threads:
-            torch.set_num_threads(threads)
+        if self._torch.get_num_threads() != threads:
+            self._torch.set_num_threads(threads)
         self.last_threads = threads
         return self.forward(batch)
 
