@@ -251,6 +251,7 @@ def test_engine_stats_feed_the_metrics_listener(vllm_server: Any) -> None:
             finished.append(seq)
 
     recorder = Recorder()
+    attached = time.monotonic()
     vllm_server.engine.listeners.append(recorder)
     try:
         run(vllm_server.generate({"prompts": [PROMPTS[1]], "max_tokens": 12, "ignore_eos": True}))
@@ -261,7 +262,9 @@ def test_engine_stats_feed_the_metrics_listener(vllm_server: Any) -> None:
     assert sum(s.decode_seqs for s in steps) >= 10
     assert any(s.running >= 1 and s.kv_blocks_used >= 1 for s in steps)
     assert all(s.kv_blocks_total > 0 for s in steps)
-    (seq,) = finished
+    # The engine thread calls on_finish after the sink has answered, so the previous test's
+    # last request can still report here: only sequences that arrived after attaching count.
+    (seq,) = [s for s in finished if s.arrival >= attached]
     assert seq.first_token_at is not None and seq.finished_at is not None
     assert len(seq.output_ids) == 12 and seq.finish_reason == "length"
 
