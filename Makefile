@@ -107,8 +107,9 @@ soak: models
 	$(PY) -m benchmarks.reliability soak --duration 600 --load 0.8
 
 # carpool against real peers (Infinity, vLLM CPU) on the same models; installs each peer into
-# ~/.cache/carpool/peers/<name> on first use; about 80 min (vLLM twice: its default and with
-# no core reserved, the layout carpool ships); never part of `make test`.
+# ~/.cache/carpool/peers/<name> on first use; about 2 h (vLLM twice: its default and with no
+# core reserved, the layout carpool ships; then embeddings and generation at once against
+# Infinity and vLLM side by side); never part of `make test`.
 # Writes benchmarks/peers.json and the tables in benchmarks/PEERS.md; see that file.
 bench-peers: models
 	flock /tmp/carpool-bench.lock $(PY) -m benchmarks peers all

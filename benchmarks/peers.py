@@ -14,6 +14,11 @@ Figures are the median over rounds, with the spread (min-max) beside them.
 
 Streaming generation is measured by an adapter over ``LoadGenerator``: it reads the server-sent
 events and keeps each token chunk's arrival time, from which TTFT and TPOT follow.
+
+``mixed`` loads embeddings and generation at once on one machine: carpool's embed and generate
+apps on one Ray against Infinity and vLLM's server side by side, the way a user serving both
+would run them (and carpool with its earlier thread layout, to see what idle cores cost when
+both compute).
 """
 
 from __future__ import annotations
@@ -598,17 +603,22 @@ class SystemSpec:
     facts: dict[str, Any] = field(default_factory=dict)
 
 
-def carpool_system(app: str, log_dir: Path) -> SystemSpec:
-    """carpool's serve.yaml, only ``app`` (and what it calls), on a private Ray."""
+def carpool_cluster(
+    wanted: Sequence[str], layout: Callable[[dict[str, Any]], None] | None = None
+) -> tuple[Callable[[], dict[str, Any]], Callable[[], None]]:
+    """Start and stop of carpool's serve.yaml, only ``wanted`` apps (and what they call), on
+    a private Ray; ``layout`` edits the config first (a variant of the shipped one)."""
     from benchmarks.reliability.cluster import Cluster, app_closure, load_config, subset
 
-    port = PORTS["carpool"]
     holder: dict[str, Any] = {}
 
     def start() -> dict[str, Any]:
         config = load_config()
-        apps = app_closure(config, [app])
-        cluster = Cluster(subset(config, apps), port=port)
+        apps = app_closure(config, wanted)
+        config = subset(config, apps)
+        if layout is not None:
+            layout(config)
+        cluster = Cluster(config, port=PORTS["carpool"])
         holder["cluster"] = cluster
         seconds = cluster.start()
         return {"command": f"serve.yaml apps {apps} on a private Ray", "start_s": seconds}
@@ -618,6 +628,13 @@ def carpool_system(app: str, log_dir: Path) -> SystemSpec:
         if cluster is not None:
             cluster.shutdown()
 
+    return start, stop
+
+
+def carpool_system(app: str, log_dir: Path) -> SystemSpec:
+    """carpool's serve.yaml, only ``app`` (and what it calls), on a private Ray."""
+    start, stop = carpool_cluster([app])
+    port = PORTS["carpool"]
     prefix = "/" + app
 
     def target(endpoint: str) -> Target:
@@ -660,7 +677,7 @@ def process_system(
 
 
 @contextmanager
-def running(system: SystemSpec) -> Iterator[dict[str, Any]]:
+def running(system: SystemSpec | MixedSpec) -> Iterator[dict[str, Any]]:
     facts = system.start()
     try:
         yield facts
@@ -1053,6 +1070,212 @@ def summarise_generate(rounds: Sequence[dict[str, Any]], phases: Sequence[str]) 
     return out
 
 
+# --- both at once -------------------------------------------------------------------------
+
+# Embedding and generation clients at once, on one machine: carpool's embed and generate apps
+# on one Ray, against what a user would otherwise run for both (Infinity and vLLM's server,
+# each with its defaults, side by side).
+MIXED_EMBED_CLIENTS = 32
+MIXED_GENERATE_CLIENTS = 16
+
+
+@dataclass
+class MixedSpec:
+    """A system serving embeddings and generation together: one start, two targets."""
+
+    name: str
+    embed_url: str
+    embed: Target
+    generate_url: str
+    generate: Target
+    start: Callable[[], dict[str, Any]]
+    stop: Callable[[], None]
+    facts: dict[str, Any] = field(default_factory=dict)
+
+
+def serve_yaml_app(config: dict[str, Any], name: str) -> dict[str, Any]:
+    for app in config["applications"]:
+        if app["name"] == name:
+            return app
+    raise KeyError(f"serve.yaml has no application {name!r}")
+
+
+def reserved_layout(config: dict[str, Any]) -> None:
+    """serve.yaml as it was before idle cores: the embedder computes on its reservation (one
+    thread) and vLLM's binding keeps a core for the frontend (its default on two cores)."""
+    embedder = serve_yaml_app(config, "embed")["args"]["embedder"]
+    embedder.setdefault("replica", {})["thread_policy"] = "reserved"
+    embedder["replica"].pop("max_torch_threads", None)
+    serve_yaml_app(config, "generate")["args"]["small"].get("vllm", {}).pop(
+        "cpu_reserved_cores", None
+    )
+
+
+def mixed_systems(names: Sequence[str], log_dir: Path, args: argparse.Namespace) -> list:
+    out: list[MixedSpec] = []
+    carpool_url = f"http://{HOST}:{PORTS['carpool']}"
+    for name in names:
+        if name in ("carpool", "carpool-reserved"):
+            layout = reserved_layout if name == "carpool-reserved" else None
+            start, stop = carpool_cluster(["embed", "generate"], layout)
+            out.append(
+                MixedSpec(
+                    name,
+                    carpool_url,
+                    EmbeddingsTarget(name, "/embed"),
+                    carpool_url,
+                    StreamingTarget(name, "/generate"),
+                    start,
+                    stop,
+                )
+            )
+        elif name == "infinity+vllm":
+            (embed,) = embed_systems(["infinity-torch"], log_dir)
+            (gen,) = generate_systems(["vllm"], log_dir, args)
+            out.append(mixed_pair(name, embed, gen))
+        else:
+            raise SystemExit(
+                f"unknown mixed system {name!r}: use carpool, carpool-reserved, infinity+vllm"
+            )
+    return out
+
+
+def mixed_pair(name: str, embed: SystemSpec, gen: SystemSpec) -> MixedSpec:
+    """Two peer servers run side by side as one system (both up before any load)."""
+
+    def start() -> dict[str, Any]:
+        facts = {embed.name: embed.start()}
+        try:
+            facts[gen.name] = gen.start()
+        except BaseException:
+            embed.stop()
+            raise
+        return facts
+
+    def stop() -> None:
+        try:
+            gen.stop()
+        finally:
+            embed.stop()
+
+    facts = {embed.name: embed.facts, gen.name: gen.facts}
+    return MixedSpec(
+        name,
+        embed.base_url,
+        embed.target("embeddings"),
+        gen.base_url,
+        gen.target("completions"),
+        start,
+        stop,
+        facts,
+    )
+
+
+async def _mixed_visit(
+    system: MixedSpec,
+    embed_wl: Workload,
+    gen_wl: Workload,
+    args: argparse.Namespace,
+    round_: int,
+) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    async with (
+        PeersLoadGenerator(system.embed_url, 256, 300.0, progress=False) as embed_gen,
+        PeersLoadGenerator(system.generate_url, 256, 300.0, progress=False) as gen_gen,
+    ):
+        await embed_gen.wait_ready(system.embed.ready_path, timeout_s=300)
+        await gen_gen.wait_ready(system.generate.ready_path, timeout_s=300)
+        await warm_up(embed_gen, system.embed, embed_wl)
+        await warm_up(gen_gen, system.generate, gen_wl, 4)
+        out["top"] = top_snapshot()
+        out["load"] = load_note()
+        out["embed"], out["generate"] = await asyncio.gather(
+            closed_window(embed_gen, system.embed, embed_wl, MIXED_EMBED_CLIENTS, args.duration),
+            closed_window(gen_gen, system.generate, gen_wl, MIXED_GENERATE_CLIENTS, args.duration),
+        )
+    e, g = out["embed"], out["generate"]
+    print(
+        f"  {system.name} r{round_} mixed: {e['items_per_s']:.1f} items/s (p99 "
+        f"{e['latency_ms']['p99']:.0f} ms) and {g['tokens_per_s']:.1f} tok/s (TTFT p99 "
+        f"{g['ttft_ms']['p99']:.0f} ms), ok {e['ok']}/{e['sent']} and {g['ok']}/{g['sent']}",
+        flush=True,
+    )
+    return out
+
+
+def run_mixed(
+    args: argparse.Namespace, log_dir: Path, save: Callable[[dict[str, Any]], None] | None = None
+) -> dict[str, Any]:
+    from benchmarks.workloads import embed_workload, generate_workload
+
+    systems = mixed_systems(
+        args.systems or ["carpool", "carpool-reserved", "infinity+vllm"], log_dir, args
+    )
+    embed_wl, gen_wl = embed_workload(2000, args.seed), generate_workload(500, args.seed)
+    rounds: list[dict[str, Any]] = []
+    facts: dict[str, Any] = {s.name: dict(s.facts) for s in systems}
+    for r in range(args.rounds):
+        order = systems[r % len(systems) :] + systems[: r % len(systems)]
+        visit: dict[str, Any] = {}
+        for system in order:
+            try:
+                with running(system) as started:
+                    facts[system.name].update(started)
+                    visit[system.name] = asyncio.run(
+                        _mixed_visit(system, embed_wl, gen_wl, args, r)
+                    )
+            except Exception as exc:
+                visit[system.name] = {"error": f"{type(exc).__name__}: {exc}"[:2000]}
+                print(f"  {system.name} r{r}: {visit[system.name]['error']}", flush=True)
+        rounds.append(visit)
+        if save is not None:
+            save(mixed_result(embed_wl, gen_wl, facts, rounds, args))
+    return mixed_result(embed_wl, gen_wl, facts, rounds, args)
+
+
+MIXED_METRICS: dict[str, Callable[[dict[str, Any]], float]] = {
+    "embed_items_per_s": lambda v: v["embed"]["items_per_s"],
+    "embed_p99_ms": lambda v: v["embed"]["latency_ms"]["p99"],
+    "generate_tokens_per_s": lambda v: v["generate"]["tokens_per_s"],
+    "generate_ttft_p99_ms": lambda v: v["generate"]["ttft_ms"]["p99"],
+    "generate_tpot_p50_ms": lambda v: v["generate"]["tpot_ms"]["p50"],
+}
+
+
+def summarise_mixed(rounds: Sequence[dict[str, Any]]) -> dict[str, Any]:
+    names = sorted({n for r in rounds for n in r})
+    done = [{n: v for n, v in r.items() if "embed" in v} for r in rounds]
+    out: dict[str, Any] = {"systems": {}, "ratios": {}}
+    for n in names:
+        out["systems"][n] = {
+            m: median_spread([f(r[n]) for r in done if n in r]) for m, f in MIXED_METRICS.items()
+        }
+    for n in names:
+        if n == "carpool":
+            continue
+        for m in ("embed_items_per_s", "generate_tokens_per_s"):
+            per_round = [{k: MIXED_METRICS[m](v) for k, v in r.items()} for r in done]
+            out["ratios"][f"carpool/{n} {m}"] = paired_ratios(per_round, "carpool", n)
+    return out
+
+
+def mixed_result(
+    embed_wl: Workload,
+    gen_wl: Workload,
+    facts: dict[str, Any],
+    rounds: list[dict[str, Any]],
+    args: argparse.Namespace,
+) -> dict[str, Any]:
+    return {
+        "workloads": {"embed": embed_wl.description, "generate": gen_wl.description},
+        "clients": {"embed": MIXED_EMBED_CLIENTS, "generate": MIXED_GENERATE_CLIENTS},
+        "systems": facts,
+        "rounds": rounds,
+        "summary": summarise_mixed(rounds),
+        "duration_s": args.duration,
+    }
+
+
 # --- report -------------------------------------------------------------------------------
 
 
@@ -1118,6 +1341,29 @@ def render_tables(results: dict[str, Any]) -> str:
         errors = {n: v["error"] for r in gen["rounds"] for n, v in r.items() if "error" in v}
         for n, e in errors.items():
             lines.append(f"\n{n} failed: `{e[:600]}`")
+    mixed = results.get("mixed")
+    if mixed:
+        clients = mixed.get("clients", {})
+        lines += [
+            "",
+            f"### Both at once ({clients.get('embed')} embed-mixed clients and "
+            f"{clients.get('generate')} streaming generate-mixed clients, closed loops; median "
+            "over rounds, min-max)",
+            "",
+            "| system | embed items/s | embed p99 ms | generate tokens/s | TTFT p99 ms | "
+            "TPOT p50 ms |",
+            "|---|---|---|---|---|---|",
+        ]
+        for n, v in mixed["summary"]["systems"].items():
+            lines.append(
+                f"| {n} | {fmt(v['embed_items_per_s'])} | {fmt(v['embed_p99_ms'], 0)} | "
+                f"{fmt(v['generate_tokens_per_s'])} | {fmt(v['generate_ttft_p99_ms'], 0)} | "
+                f"{fmt(v['generate_tpot_p50_ms'], 0)} |"
+            )
+        lines += [""] + [f"- {k}: {fmt(v, 2)}" for k, v in mixed["summary"]["ratios"].items()]
+        errors = {n: v["error"] for r in mixed["rounds"] for n, v in r.items() if "error" in v}
+        for n, e in errors.items():
+            lines.append(f"\n{n} failed: `{e[:600]}`")
     return "\n".join(lines)
 
 
@@ -1153,7 +1399,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "phase",
         nargs="?",
-        choices=("all", "embed", "generate", "install"),
+        choices=("all", "embed", "generate", "mixed", "install"),
         default="all",
         help="what to measure (install: only make the venvs)",
     )
@@ -1162,7 +1408,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         type=lambda s: [x for x in s.split(",") if x],
         default=None,
         help="embed: carpool,infinity-torch,infinity-optimum; generate: carpool,vllm "
-        "(vllm-1thread: vLLM on one core; vllm-allcores: no core reserved for its server)",
+        "(vllm-1thread: vLLM on one core; vllm-allcores: no core reserved for its server); "
+        "mixed: carpool,carpool-reserved,infinity+vllm",
     )
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--duration", type=float, default=60.0, help="seconds per measured window")
@@ -1216,7 +1463,7 @@ def run(args: argparse.Namespace) -> int:
     new: dict[str, Any] = {"command": command, "load_before": load_note()}
     old = json.loads(args.out.read_text()) if args.out.exists() else {}
     results = old
-    phases = {"embed": run_embed, "generate": run_generate}
+    phases = {"embed": run_embed, "generate": run_generate, "mixed": run_mixed}
 
     def save(phase: str, result: dict[str, Any]) -> None:
         # Saved after every round: a run stopped early keeps the rounds it finished.

@@ -300,3 +300,158 @@ def test_a_generate_result_without_the_trace_phase() -> None:
     out = peers.generate_result(workload, None, {}, [], args)
     assert out["trace"] is None
     assert out["workload"] == {"kind": "generate"}
+
+
+# --- both at once (peers mixed) -------------------------------------------------------------
+
+
+def mixed_visit(items: float, tokens: float) -> dict:
+    return {
+        "embed": {"items_per_s": items, "latency_ms": {"p99": 900.0}},
+        "generate": {
+            "tokens_per_s": tokens,
+            "ttft_ms": {"p50": 100.0, "p99": 800.0},
+            "tpot_ms": {"p50": 90.0, "p99": 150.0},
+        },
+    }
+
+
+def test_summarise_mixed_pairs_rounds_and_skips_failed_visits() -> None:
+    rounds = [
+        {"carpool": mixed_visit(60, 100), "infinity+vllm": mixed_visit(30, 125)},
+        {"carpool": mixed_visit(40, 90), "infinity+vllm": mixed_visit(40, 100)},
+        {"carpool": mixed_visit(50, 80), "infinity+vllm": {"error": "vllm exited"}},
+    ]
+    s = peers.summarise_mixed(rounds)
+    assert s["systems"]["carpool"]["embed_items_per_s"]["median"] == 50
+    assert s["systems"]["infinity+vllm"]["generate_tokens_per_s"]["n"] == 2
+    embed = s["ratios"]["carpool/infinity+vllm embed_items_per_s"]
+    assert (embed["median"], embed["min"], embed["max"], embed["n"]) == (1.5, 1.0, 2.0, 2)
+    assert s["ratios"]["carpool/infinity+vllm generate_tokens_per_s"]["median"] == pytest.approx(
+        0.85
+    )
+
+
+def test_mixed_report_table(tmp_path: Path) -> None:
+    rounds = [{"carpool": mixed_visit(60, 100), "infinity+vllm": mixed_visit(30, 125)}]
+    results = {
+        "command": "x",
+        "mixed": {
+            "clients": {"embed": 32, "generate": 16},
+            "summary": peers.summarise_mixed(rounds),
+            "rounds": rounds,
+        },
+    }
+    path = tmp_path / "PEERS.md"
+    peers.write_report(results, path)
+    text = path.read_text()
+    assert "32 embed-mixed clients and 16 streaming generate-mixed clients" in text
+    assert "| carpool | 60.0 (60.0-60.0) | 900 (900-900) | 100.0 (100.0-100.0) |" in text
+    assert "- carpool/infinity+vllm generate_tokens_per_s: 0.80 (0.80-0.80)" in text
+
+
+def test_reserved_layout_is_the_shipped_config_minus_idle_cores() -> None:
+    # The variant is serve.yaml with the two thread choices of 2026-11-25 undone, and nothing
+    # else: if serve.yaml stops shipping them, this comparison no longer means what it says.
+    import copy
+
+    from benchmarks.reliability.cluster import load_config
+
+    shipped = load_config()
+    embedder = peers.serve_yaml_app(shipped, "embed")["args"]["embedder"]
+    small = peers.serve_yaml_app(shipped, "generate")["args"]["small"]
+    assert embedder["replica"]["thread_policy"] == "idle_cores"
+    assert small["vllm"]["cpu_reserved_cores"] == 0
+    variant = copy.deepcopy(shipped)
+    peers.reserved_layout(variant)
+    v_embedder = peers.serve_yaml_app(variant, "embed")["args"]["embedder"]
+    v_small = peers.serve_yaml_app(variant, "generate")["args"]["small"]
+    assert v_embedder["replica"]["thread_policy"] == "reserved"
+    assert "cpu_reserved_cores" not in v_small["vllm"]
+    v_embedder["replica"]["thread_policy"] = "idle_cores"
+    v_small["vllm"]["cpu_reserved_cores"] = 0
+    assert variant == shipped
+    with pytest.raises(KeyError, match="no application 'nope'"):
+        peers.serve_yaml_app(shipped, "nope")
+
+
+def test_a_mixed_visit_loads_both_servers_at_once() -> None:
+    # A local server answers embeddings and streamed completions, each taking 50 ms, and
+    # counts how often a request of one kind arrives while one of the other is in flight:
+    # both closed loops must run together, not one after the other.
+    import argparse
+    import asyncio
+
+    from aiohttp import web
+
+    from benchmarks.workloads import embed_workload, generate_workload
+
+    in_flight = {"embed": 0, "generate": 0}
+    overlaps = {"embed": 0, "generate": 0}
+
+    def enter(kind: str) -> None:
+        other = "generate" if kind == "embed" else "embed"
+        overlaps[kind] += in_flight[other] > 0
+        in_flight[kind] += 1
+
+    async def embeddings(request: web.Request) -> web.Response:
+        body = await request.json()
+        enter("embed")
+        try:
+            await asyncio.sleep(0.05)
+        finally:
+            in_flight["embed"] -= 1
+        texts = body["input"] if isinstance(body["input"], list) else [body["input"]]
+        data = [{"index": i, "embedding": ""} for i in range(len(texts))]
+        return web.json_response({"data": data, "usage": {"prompt_tokens": 4 * len(texts)}})
+
+    async def completions(request: web.Request) -> web.StreamResponse:
+        await request.read()
+        enter("generate")
+        try:
+            resp = web.StreamResponse(headers={"content-type": "text/event-stream"})
+            await resp.prepare(request)
+            for _ in range(2):
+                await asyncio.sleep(0.025)
+                await resp.write(sse({"choices": [{"text": "a"}]}).encode() + b"\n\n")
+            usage = sse({"usage": {"completion_tokens": 2}}).encode()
+            await resp.write(usage + b"\n\ndata: [DONE]\n\n")
+        finally:
+            in_flight["generate"] -= 1
+        return resp
+
+    async def models(request: web.Request) -> web.Response:
+        return web.json_response({"data": []})
+
+    async def go() -> dict:
+        app = web.Application()
+        app.router.add_post("/e/v1/embeddings", embeddings)
+        app.router.add_post("/g/v1/completions", completions)
+        app.router.add_get("/e/v1/models", models)
+        app.router.add_get("/g/v1/models", models)
+        runner = web.AppRunner(app)
+        await runner.setup()
+        site = web.TCPSite(runner, "127.0.0.1", 0)
+        await site.start()
+        url = f"http://127.0.0.1:{site._server.sockets[0].getsockname()[1]}"  # type: ignore[union-attr]
+        system = peers.MixedSpec(
+            "fake",
+            url,
+            peers.EmbeddingsTarget("fake", "/e"),
+            url,
+            peers.StreamingTarget("fake", "/g"),
+            start=dict,
+            stop=lambda: None,
+        )
+        args = argparse.Namespace(duration=1.0)
+        try:
+            return await peers._mixed_visit(
+                system, embed_workload(50, 0), generate_workload(50, 0), args, 0
+            )
+        finally:
+            await runner.cleanup()
+
+    out = asyncio.run(go())
+    assert out["embed"]["ok"] > 10 and out["generate"]["ok"] > 10
+    assert out["generate"]["output_tokens"] == 2 * out["generate"]["ok"]
+    assert overlaps["embed"] > 10 and overlaps["generate"] > 10, overlaps
