@@ -458,17 +458,21 @@ class StreamingTarget(Target):
     """OpenAI completions or chat with ``stream: true``, greedy, exact lengths.
 
     ``ignore_eos`` (a vLLM extension carpool also takes) makes every request cost exactly
-    ``max_tokens`` decode steps on both systems, so token rates compare.
+    ``max_tokens`` decode steps on both systems, so token rates compare. With
+    ``stream=False`` the same requests are answered whole (``--no-stream``): what per-token
+    delivery costs a server is the difference.
     """
 
     kind = "generate"
-    stream = True
 
-    def __init__(self, name: str, prefix: str, endpoint: str = "completions") -> None:
+    def __init__(
+        self, name: str, prefix: str, endpoint: str = "completions", stream: bool = True
+    ) -> None:
         super().__init__(name, prefix)
         if endpoint not in ("completions", "chat"):
             raise ValueError(f"endpoint {endpoint!r}: use 'completions' or 'chat'")
         self.endpoint = endpoint
+        self.stream = stream
 
     @property
     def path(self) -> str:
@@ -486,9 +490,10 @@ class StreamingTarget(Target):
             "max_tokens": request.max_tokens,
             "temperature": 0,
             "ignore_eos": True,
-            "stream": True,
-            "stream_options": {"include_usage": True},
+            "stream": self.stream,
         }
+        if self.stream:
+            body["stream_options"] = {"include_usage": True}
         if self.endpoint == "chat":
             body["messages"] = [{"role": "user", "content": request.prompt}]
         else:
@@ -496,6 +501,11 @@ class StreamingTarget(Target):
         return body
 
     def decode(self, request: Request, content: bytes) -> Answer:
+        if not self.stream:
+            try:
+                return Answer(1, int(json.loads(content)["usage"]["completion_tokens"]))
+            except (ValueError, KeyError, TypeError):
+                return Answer(1, 0)
         tokens = 0
         for line in content.decode(errors="replace").splitlines():
             chunk = parse_sse_line(line)
@@ -514,7 +524,7 @@ class PeersLoadGenerator(LoadGenerator):
     async def send(
         self, ep: Endpoint, request: Request, body: bytes, index: int, scheduled: float, t0: float
     ) -> RequestRecord:
-        if not isinstance(ep.target, StreamingTarget):
+        if not (isinstance(ep.target, StreamingTarget) and ep.target.stream):
             return await super().send(ep, request, body, index, scheduled, t0)
         started = time.perf_counter() - t0
         record = StreamRecord(index, scheduled, started, started, TRANSPORT_ERROR, target=ep.name)
@@ -958,6 +968,8 @@ async def _generate_visit(
     out: dict[str, Any] = {}
     target = system.target("completions")
     chat = system.target("chat")
+    if args.no_stream:
+        target = StreamingTarget(target.name, target.prefix, "completions", stream=False)
     async with PeersLoadGenerator(system.base_url, 256, 300.0, progress=False) as gen:
         await gen.wait_ready(target.ready_path, timeout_s=300)
         await warm_up(gen, target, workload, 4)
@@ -1442,6 +1454,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         help="generation clients, e.g. 4,16,64",
     )
     p.add_argument("--no-trace", action="store_true", help="skip the conversation trace")
+    p.add_argument(
+        "--no-stream",
+        action="store_true",
+        help="generate: closed loops ask for whole answers, not streams (no TTFT/TPOT)",
+    )
     p.add_argument("--trace", default="../shared/traces/AzureLLMInferenceTrace_conv.csv")
     p.add_argument("--trace-rate", type=float, default=1.0, help="replayed requests/s")
     p.add_argument("--kv-cache-gib", type=int, default=4, help="VLLM_CPU_KVCACHE_SPACE")

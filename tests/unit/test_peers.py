@@ -143,6 +143,13 @@ def test_streaming_target_bodies() -> None:
     assert chat.decode(request, content.encode()).tokens == 7
     with pytest.raises(ValueError, match="'completions' or 'chat'"):
         peers.StreamingTarget("x", "", "embeddings")
+    # --no-stream: the same request answered whole, its tokens from the JSON usage
+    whole = peers.StreamingTarget("x", "/generate", "completions", stream=False)
+    body = json.loads(whole.encode(request))
+    assert body["stream"] is False and "stream_options" not in body
+    assert body["ignore_eos"] and body["max_tokens"] == 32
+    answer = json.dumps({"choices": [{"text": "ab"}], "usage": {"completion_tokens": 32}})
+    assert whole.decode(request, answer.encode()).tokens == 32
 
 
 def test_stream_summary_percentiles() -> None:
