@@ -17,8 +17,8 @@ events and keeps each token chunk's arrival time, from which TTFT and TPOT follo
 
 ``mixed`` loads embeddings and generation at once on one machine: carpool's embed and generate
 apps on one Ray against Infinity and vLLM's server side by side, the way a user serving both
-would run them (and carpool with its earlier thread layout, to see what idle cores cost when
-both compute).
+would run them (and carpool with other thread layouts, to see what they cost when both
+compute).
 """
 
 from __future__ import annotations
@@ -1123,13 +1123,27 @@ def reserved_layout(config: dict[str, Any]) -> None:
     )
 
 
+def allcores_layout(config: dict[str, Any]) -> None:
+    """serve.yaml as shipped on the morning of 2026-11-25: vLLM's OpenMP threads bound to
+    every core (``cpu_reserved_cores: 0``), the embedder on idle cores."""
+    small = serve_yaml_app(config, "generate")["args"]["small"]
+    small.setdefault("vllm", {})["cpu_reserved_cores"] = 0
+
+
+# carpool's mixed-load variants: serve.yaml with one thread layout changed.
+CARPOOL_LAYOUTS: dict[str, Callable[[dict[str, Any]], None] | None] = {
+    "carpool": None,
+    "carpool-reserved": reserved_layout,
+    "carpool-allcores": allcores_layout,
+}
+
+
 def mixed_systems(names: Sequence[str], log_dir: Path, args: argparse.Namespace) -> list:
     out: list[MixedSpec] = []
     carpool_url = f"http://{HOST}:{PORTS['carpool']}"
     for name in names:
-        if name in ("carpool", "carpool-reserved"):
-            layout = reserved_layout if name == "carpool-reserved" else None
-            start, stop = carpool_cluster(["embed", "generate"], layout)
+        if name in CARPOOL_LAYOUTS:
+            start, stop = carpool_cluster(["embed", "generate"], CARPOOL_LAYOUTS[name])
             out.append(
                 MixedSpec(
                     name,
@@ -1147,7 +1161,7 @@ def mixed_systems(names: Sequence[str], log_dir: Path, args: argparse.Namespace)
             out.append(mixed_pair(name, embed, gen))
         else:
             raise SystemExit(
-                f"unknown mixed system {name!r}: use carpool, carpool-reserved, infinity+vllm"
+                f"unknown mixed system {name!r}: use {', '.join(CARPOOL_LAYOUTS)}, infinity+vllm"
             )
     return out
 
@@ -1221,7 +1235,7 @@ def run_mixed(
     from benchmarks.workloads import embed_workload, generate_workload
 
     systems = mixed_systems(
-        args.systems or ["carpool", "carpool-reserved", "infinity+vllm"], log_dir, args
+        args.systems or ["carpool", "carpool-allcores", "infinity+vllm"], log_dir, args
     )
     embed_wl, gen_wl = embed_workload(2000, args.seed), generate_workload(500, args.seed)
     rounds: list[dict[str, Any]] = []
@@ -1421,7 +1435,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         default=None,
         help="embed: carpool,infinity-torch,infinity-optimum; generate: carpool,vllm "
         "(vllm-1thread: vLLM on one core; vllm-allcores: no core reserved for its server); "
-        "mixed: carpool,carpool-reserved,infinity+vllm",
+        "mixed: carpool,carpool-allcores,infinity+vllm (carpool-reserved: the embedder on "
+        "its reserved thread)",
     )
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--duration", type=float, default=60.0, help="seconds per measured window")

@@ -357,27 +357,38 @@ def test_mixed_report_table(tmp_path: Path) -> None:
     assert "- carpool/infinity+vllm generate_tokens_per_s: 0.80 (0.80-0.80)" in text
 
 
-def test_reserved_layout_is_the_shipped_config_minus_idle_cores() -> None:
-    # The variant is serve.yaml with the two thread choices of 2026-11-25 undone, and nothing
-    # else: if serve.yaml stops shipping them, this comparison no longer means what it says.
+def test_carpool_layouts_change_only_their_thread_knobs() -> None:
+    # Each mixed-load variant is serve.yaml with one thread layout changed and nothing else:
+    # if serve.yaml stops shipping the layout a variant is compared with, the comparison no
+    # longer means what the report says.
     import copy
 
     from benchmarks.reliability.cluster import load_config
 
     shipped = load_config()
-    embedder = peers.serve_yaml_app(shipped, "embed")["args"]["embedder"]
-    small = peers.serve_yaml_app(shipped, "generate")["args"]["small"]
-    assert embedder["replica"]["thread_policy"] == "idle_cores"
-    assert small["vllm"]["cpu_reserved_cores"] == 0
-    variant = copy.deepcopy(shipped)
-    peers.reserved_layout(variant)
-    v_embedder = peers.serve_yaml_app(variant, "embed")["args"]["embedder"]
-    v_small = peers.serve_yaml_app(variant, "generate")["args"]["small"]
-    assert v_embedder["replica"]["thread_policy"] == "reserved"
-    assert "cpu_reserved_cores" not in v_small["vllm"]
-    v_embedder["replica"]["thread_policy"] = "idle_cores"
-    v_small["vllm"]["cpu_reserved_cores"] = 0
-    assert variant == shipped
+
+    def knobs(config: dict) -> tuple[dict, dict]:
+        embedder = peers.serve_yaml_app(config, "embed")["args"]["embedder"]
+        small = peers.serve_yaml_app(config, "generate")["args"]["small"]
+        return embedder["replica"], small["vllm"]
+
+    replica, vllm = knobs(shipped)
+    assert replica["thread_policy"] == "idle_cores"
+    assert "cpu_reserved_cores" not in vllm  # vLLM's own binding keeps a core free
+
+    reserved = copy.deepcopy(shipped)
+    peers.reserved_layout(reserved)
+    assert knobs(reserved)[0]["thread_policy"] == "reserved"
+    knobs(reserved)[0]["thread_policy"] = "idle_cores"
+    assert reserved == shipped
+
+    allcores = copy.deepcopy(shipped)
+    peers.allcores_layout(allcores)
+    assert knobs(allcores)[1]["cpu_reserved_cores"] == 0
+    del knobs(allcores)[1]["cpu_reserved_cores"]
+    assert allcores == shipped
+
+    assert set(peers.CARPOOL_LAYOUTS) == {"carpool", "carpool-reserved", "carpool-allcores"}
     with pytest.raises(KeyError, match="no application 'nope'"):
         peers.serve_yaml_app(shipped, "nope")
 
