@@ -35,7 +35,7 @@ import statistics
 import subprocess
 import sys
 import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Coroutine, Iterator, Sequence
 from contextlib import contextmanager, suppress
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -70,6 +70,8 @@ BEGIN, END = "<!-- peers:begin -->", "<!-- peers:end -->"
 PORTS = {"carpool": 8210, "infinity": 8207, "vllm": 8208}
 HOST = "127.0.0.1"
 SLO_MS = 500.0
+# Seconds between one system's stop and the next one's start.
+SETTLE_S = 2.0
 # The name every generation system answers to, so one request body serves all of them.
 SERVED_MODEL = "small"
 
@@ -693,10 +695,39 @@ def running(system: SystemSpec | MixedSpec) -> Iterator[dict[str, Any]]:
         yield facts
     finally:
         system.stop()
-        time.sleep(2.0)  # let the stopped system's processes leave before the next starts
+        time.sleep(SETTLE_S)  # let the stopped system's processes leave before the next starts
 
 
 # --- measuring ----------------------------------------------------------------------------
+
+
+def paired_rounds(
+    systems: Sequence[SystemSpec | MixedSpec],
+    rounds: int,
+    visit: Callable[[Any, int], Coroutine[Any, Any, dict[str, Any]]],
+    result: Callable[[dict[str, Any], list[dict[str, Any]]], dict[str, Any]],
+    save: Callable[[dict[str, Any]], None] | None = None,
+) -> dict[str, Any]:
+    """Every system started, visited and stopped in turn, ``rounds`` times, the order rotated
+    each round so no system always runs first (or last); ``result(facts, rounds)`` is saved
+    after every round, so a run cut short still leaves the rounds it finished."""
+    facts: dict[str, Any] = {s.name: dict(s.facts) for s in systems}
+    done: list[dict[str, Any]] = []
+    for r in range(rounds):
+        order = list(systems[r % len(systems) :]) + list(systems[: r % len(systems)])
+        per_system: dict[str, Any] = {}
+        for system in order:
+            try:
+                with running(system) as started:
+                    facts[system.name].update(started)
+                    per_system[system.name] = asyncio.run(visit(system, r))
+            except Exception as exc:  # a peer that cannot run is a finding, not a crash
+                per_system[system.name] = {"error": f"{type(exc).__name__}: {exc}"[:2000]}
+                print(f"  {system.name} r{r}: {per_system[system.name]['error']}", flush=True)
+        done.append(per_system)
+        if save is not None:
+            save(result(facts, done))
+    return result(facts, done)
 
 
 async def warm_up(gen: LoadGenerator, target: Target, workload: Workload, n: int = 8) -> None:
@@ -857,27 +888,14 @@ def run_embed(
         args.systems or ["carpool", "infinity-torch", "infinity-optimum"], log_dir
     )
     workload = embed_workload(2000, args.seed)
-    rounds: list[dict[str, Any]] = []
-    facts: dict[str, Any] = {s.name: dict(s.facts) for s in systems}
     search: dict[str, float] = {}
-    for r in range(args.rounds):
-        # Rotate the order each round so no system always runs first (or last) in a round.
-        order = systems[r % len(systems) :] + systems[: r % len(systems)]
-        visit: dict[str, Any] = {}
-        for system in order:
-            try:
-                with running(system) as started:
-                    facts[system.name].update(started)
-                    visit[system.name] = asyncio.run(
-                        _embed_visit(system, workload, args, r, search)
-                    )
-            except Exception as exc:  # a peer that cannot run is a finding, not a crash
-                visit[system.name] = {"error": f"{type(exc).__name__}: {exc}"[:2000]}
-                print(f"  {system.name} r{r}: {visit[system.name]['error']}", flush=True)
-        rounds.append(visit)
-        if save is not None:  # a run cut short still leaves its finished rounds
-            save(embed_result(workload, facts, rounds, search, args))
-    return embed_result(workload, facts, rounds, search, args)
+    return paired_rounds(
+        systems,
+        args.rounds,
+        lambda system, r: _embed_visit(system, workload, args, r, search),
+        lambda facts, rounds: embed_result(workload, facts, rounds, search, args),
+        save,
+    )
 
 
 def embed_result(
@@ -1007,25 +1025,13 @@ def run_generate(
     systems = generate_systems(args.systems or default, log_dir, args)
     workload = generate_workload(500, args.seed)
     trace = None if args.no_trace else trace_requests(args)  # --no-trace needs no file
-    rounds: list[dict[str, Any]] = []
-    facts: dict[str, Any] = {s.name: dict(s.facts) for s in systems}
-    for r in range(args.rounds):
-        order = systems[r % len(systems) :] + systems[: r % len(systems)]
-        visit: dict[str, Any] = {}
-        for system in order:
-            try:
-                with running(system) as started:
-                    facts[system.name].update(started)
-                    visit[system.name] = asyncio.run(
-                        _generate_visit(system, workload, trace, args, r)
-                    )
-            except Exception as exc:
-                visit[system.name] = {"error": f"{type(exc).__name__}: {exc}"[:2000]}
-                print(f"  {system.name} r{r}: {visit[system.name]['error']}", flush=True)
-        rounds.append(visit)
-        if save is not None:
-            save(generate_result(workload, trace, facts, rounds, args))
-    return generate_result(workload, trace, facts, rounds, args)
+    return paired_rounds(
+        systems,
+        args.rounds,
+        lambda system, r: _generate_visit(system, workload, trace, args, r),
+        lambda facts, rounds: generate_result(workload, trace, facts, rounds, args),
+        save,
+    )
 
 
 def generate_result(
@@ -1238,25 +1244,13 @@ def run_mixed(
         args.systems or ["carpool", "carpool-allcores", "infinity+vllm"], log_dir, args
     )
     embed_wl, gen_wl = embed_workload(2000, args.seed), generate_workload(500, args.seed)
-    rounds: list[dict[str, Any]] = []
-    facts: dict[str, Any] = {s.name: dict(s.facts) for s in systems}
-    for r in range(args.rounds):
-        order = systems[r % len(systems) :] + systems[: r % len(systems)]
-        visit: dict[str, Any] = {}
-        for system in order:
-            try:
-                with running(system) as started:
-                    facts[system.name].update(started)
-                    visit[system.name] = asyncio.run(
-                        _mixed_visit(system, embed_wl, gen_wl, args, r)
-                    )
-            except Exception as exc:
-                visit[system.name] = {"error": f"{type(exc).__name__}: {exc}"[:2000]}
-                print(f"  {system.name} r{r}: {visit[system.name]['error']}", flush=True)
-        rounds.append(visit)
-        if save is not None:
-            save(mixed_result(embed_wl, gen_wl, facts, rounds, args))
-    return mixed_result(embed_wl, gen_wl, facts, rounds, args)
+    return paired_rounds(
+        systems,
+        args.rounds,
+        lambda system, r: _mixed_visit(system, embed_wl, gen_wl, args, r),
+        lambda facts, rounds: mixed_result(embed_wl, gen_wl, facts, rounds, args),
+        save,
+    )
 
 
 MIXED_METRICS: dict[str, Callable[[dict[str, Any]], float]] = {

@@ -473,3 +473,48 @@ def test_a_mixed_visit_loads_both_servers_at_once() -> None:
     assert out["embed"]["ok"] > 10 and out["generate"]["ok"] > 10
     assert out["generate"]["output_tokens"] == 2 * out["generate"]["ok"]
     assert overlaps["embed"] > 10 and overlaps["generate"] > 10, overlaps
+
+
+def test_paired_rounds_rotate_the_order_and_keep_going_past_a_failed_peer(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setattr(peers, "SETTLE_S", 0.0)
+    events: list[str] = []
+
+    def system(name: str, fails: bool = False) -> peers.SystemSpec:
+        def start() -> dict:
+            events.append(f"start {name}")
+            if fails:
+                raise RuntimeError(f"{name} exited with 1 before answering")
+            return {"start_s": 1.0}
+
+        return peers.SystemSpec(
+            name, "http://x", lambda e: None, start, lambda: events.append(f"stop {name}")
+        )
+
+    async def visit(s: peers.SystemSpec, r: int) -> dict:
+        events.append(f"visit {s.name} r{r}")
+        return {"round": r}
+
+    saved: list[int] = []
+
+    def result(facts: dict, rounds: list) -> dict:
+        return {"facts": facts, "rounds": [dict(r) for r in rounds]}
+
+    out = peers.paired_rounds(
+        [system("a"), system("b"), system("c", fails=True)],
+        2,
+        visit,
+        result,
+        lambda res: saved.append(len(res["rounds"])),
+    )
+    visits = [e for e in events if e.startswith("visit")]
+    assert visits == ["visit a r0", "visit b r0", "visit b r1", "visit a r1"]
+    # c failed to start in both rounds: recorded, not fatal, and the order rotated (b first)
+    assert events.index("start c") < events.index("visit b r1")
+    assert events.count("stop a") == 2 and events.count("stop b") == 2
+    assert "stop c" not in events
+    assert saved == [1, 2]  # saved after every round
+    assert "RuntimeError: c exited" in out["rounds"][1]["c"]["error"]
+    assert out["rounds"][1]["a"] == {"round": 1}
+    assert out["facts"]["a"] == {"start_s": 1.0} and "c" in out["facts"]
