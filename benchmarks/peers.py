@@ -1111,7 +1111,8 @@ class MixedSpec:
     facts: dict[str, Any] = field(default_factory=dict)
 
 
-def serve_yaml_app(config: dict[str, Any], name: str) -> dict[str, Any]:
+def app_entry(config: dict[str, Any], name: str) -> dict[str, Any]:
+    """The ``applications`` entry named ``name`` of a loaded serve config (edited in place)."""
     for app in config["applications"]:
         if app["name"] == name:
             return app
@@ -1121,18 +1122,16 @@ def serve_yaml_app(config: dict[str, Any], name: str) -> dict[str, Any]:
 def reserved_layout(config: dict[str, Any]) -> None:
     """serve.yaml as it was before idle cores: the embedder computes on its reservation (one
     thread) and vLLM's binding keeps a core for the frontend (its default on two cores)."""
-    embedder = serve_yaml_app(config, "embed")["args"]["embedder"]
+    embedder = app_entry(config, "embed")["args"]["embedder"]
     embedder.setdefault("replica", {})["thread_policy"] = "reserved"
     embedder["replica"].pop("max_torch_threads", None)
-    serve_yaml_app(config, "generate")["args"]["small"].get("vllm", {}).pop(
-        "cpu_reserved_cores", None
-    )
+    app_entry(config, "generate")["args"]["small"].get("vllm", {}).pop("cpu_reserved_cores", None)
 
 
 def allcores_layout(config: dict[str, Any]) -> None:
     """serve.yaml as shipped on the morning of 2026-11-25: vLLM's OpenMP threads bound to
     every core (``cpu_reserved_cores: 0``), the embedder on idle cores."""
-    small = serve_yaml_app(config, "generate")["args"]["small"]
+    small = app_entry(config, "generate")["args"]["small"]
     small.setdefault("vllm", {})["cpu_reserved_cores"] = 0
 
 

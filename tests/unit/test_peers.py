@@ -368,8 +368,8 @@ def test_carpool_layouts_change_only_their_thread_knobs() -> None:
     shipped = load_config()
 
     def knobs(config: dict) -> tuple[dict, dict]:
-        embedder = peers.serve_yaml_app(config, "embed")["args"]["embedder"]
-        small = peers.serve_yaml_app(config, "generate")["args"]["small"]
+        embedder = peers.app_entry(config, "embed")["args"]["embedder"]
+        small = peers.app_entry(config, "generate")["args"]["small"]
         return embedder["replica"], small["vllm"]
 
     replica, vllm = knobs(shipped)
@@ -390,7 +390,7 @@ def test_carpool_layouts_change_only_their_thread_knobs() -> None:
 
     assert set(peers.CARPOOL_LAYOUTS) == {"carpool", "carpool-reserved", "carpool-allcores"}
     with pytest.raises(KeyError, match="no application 'nope'"):
-        peers.serve_yaml_app(shipped, "nope")
+        peers.app_entry(shipped, "nope")
 
 
 def test_a_mixed_visit_loads_both_servers_at_once() -> None:
