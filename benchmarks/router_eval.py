@@ -507,7 +507,7 @@ def _lane_router(server: Any, in_flight: int, lanes_enabled: bool, aging: float)
         {
             "policy": "threshold",
             "lanes_enabled": lanes_enabled,
-            "max_in_flight": {"small": in_flight},
+            "max_in_flight_per_replica": {"small": in_flight},
             "aging_tokens_per_s": aging,
         },
         {"small": server},

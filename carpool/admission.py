@@ -393,48 +393,6 @@ class StandingQueueAdmission(DrainAdmission):
         )
 
 
-class RefusalMemory:
-    """An ingress's memory of a backend's last overload refusal, to refuse cheaply meanwhile.
-
-    Under overload most requests are refused, and one that travels to the model replica to be
-    refused costs the hop (Serve's machinery in both processes) on the cores the model
-    computes on. A replica refuses only once its queue holds ``max_queue_delay_ms`` of work,
-    so for a moment after a refusal it is certainly still full: the ingress answers requests
-    of that tier itself. The window is short next to any queue bound, so the model never runs
-    dry; an interactive refusal covers the batch tier too (its bounds are lower).
-    """
-
-    # Longer than the ingress holds a refusal (1 s), so the requests that arrive meanwhile
-    # are answered here too; short next to any queue bound worth refusing at (seconds).
-    def __init__(self, window_s: float = 1.25, clock: Any = time.monotonic) -> None:
-        self.window_s = window_s
-        self._clock = clock
-        self._until: dict[str, float] = {}  # tier -> refuse locally until (clock)
-        self._retry_at: dict[str, float] = {}  # tier -> when the backend said to retry
-
-    def record(self, error: RequestError, priority: Priority) -> None:
-        if error.status_code != 503 or error.code != "overloaded":
-            return
-        now = self._clock()
-        retry_s = error.retry_after_s or self.window_s
-        tiers = PRIORITIES if priority == "interactive" else (priority,)
-        for tier in tiers:
-            self._until[tier] = max(self._until.get(tier, 0.0), now + self.window_s)
-            self._retry_at[tier] = max(self._retry_at.get(tier, 0.0), now + retry_s)
-
-    def refusal(self, stage: str, priority: Priority) -> RequestError | None:
-        now = self._clock()
-        if now >= self._until.get(priority, 0.0):
-            return None
-        return RequestError(
-            503,
-            f"the {stage} stage is overloaded (it refused {priority} requests moments ago: "
-            "its queue is full); retry after the Retry-After delay",
-            code="overloaded",
-            retry_after_s=max(self._retry_at.get(priority, now) - now, 0.5),
-        )
-
-
 ADMISSION_POLICIES = ("drain", "bounded", "standing")
 
 

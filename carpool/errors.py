@@ -2,6 +2,11 @@
 
 from __future__ import annotations
 
+from typing import Any
+
+# Stamps an overload refusal with the replica raising it (see RequestError.replica).
+_AUTO: Any = object()
+
 
 class RequestError(Exception):
     """A request that cannot be served as sent. The message says what to change.
@@ -17,6 +22,9 @@ class RequestError(Exception):
         param: str | None = None,
         code: str | None = None,
         retry_after_s: float | None = None,
+        *,
+        replica: str | None = _AUTO,
+        deployment: str | None = None,
     ) -> None:
         super().__init__(status_code, message, param, code, retry_after_s)
         self.status_code = status_code
@@ -24,6 +32,19 @@ class RequestError(Exception):
         self.param = param
         self.code = code
         self.retry_after_s = retry_after_s
+        # Which replica refused an overload ("app/deployment" and its id): its callers then
+        # know that replica is full, not the stage (carpool/refusals.py). Set where the
+        # refusal is raised inside a Serve replica; None elsewhere or when passed None.
+        if replica is _AUTO:
+            replica = None
+            if code == "overloaded":
+                from carpool.topology import current_replica
+
+                where = current_replica()
+                if where is not None:
+                    deployment, replica = where
+        self.replica = replica
+        self.deployment = deployment
 
     def __str__(self) -> str:
         return self.message

@@ -25,13 +25,15 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from carpool.admission import (
     DEADLINE_HEADER,
     PRIORITY_HEADER,
-    RefusalMemory,
     RequestControls,
+    await_or_cancel,
     deadline_exceeded,
     parse_controls,
 )
 from carpool.config import IngressConfig
 from carpool.errors import RequestError, find_request_error
+from carpool.refusals import RefusalMemory, call_refusable
+from carpool.topology import live_replicas
 
 logger = logging.getLogger(__name__)
 
@@ -540,8 +542,12 @@ def _backpressure(exc: BaseException) -> bool:
     return isinstance(exc, BackPressureError)
 
 
-# Per ingress process: what each downstream stage last refused for overload.
+# Per ingress process: what each downstream stage's replicas last refused for overload.
 _REFUSALS: dict[str, RefusalMemory] = {}
+
+
+def _live(deployment: str) -> int | None:
+    return live_replicas().count(deployment)
 
 
 def _refusals(stage: str) -> RefusalMemory:
@@ -556,8 +562,9 @@ MAX_REFUSAL_HOLD_S = 1.0
 
 
 async def refuse_if_overloaded(stage: str) -> None:
-    """503 at the ingress while ``stage`` is known to be full: no hop, no model CPU spent."""
-    refusal = _refusals(stage).refusal(stage, current_controls().priority)
+    """503 at the ingress while every replica of ``stage`` is known to be full: no hop, no
+    model CPU spent. One full replica among several refuses nothing here."""
+    refusal = _refusals(stage).refusal(stage, current_controls().priority, _live)
     if refusal is not None:
         raise await _held(refusal)
 
@@ -595,7 +602,7 @@ async def call_idempotent(stage: str, make_call: Callable[[], Awaitable[T]]) -> 
     """
     await refuse_if_overloaded(stage)
     try:
-        return await await_within_deadline(stage, make_call())
+        return await await_within_deadline(stage, _refusable(stage, make_call))
     except RequestError as exc:
         raise await _held(_remember(stage, exc)) from None
     except Exception as exc:
@@ -603,6 +610,26 @@ async def call_idempotent(stage: str, make_call: Callable[[], Awaitable[T]]) -> 
             logger.warning("%s replica lost mid-call; retrying once elsewhere", stage)
             return await call_backend(stage, make_call())
         return await call_backend(stage, _reraise(exc))
+
+
+def _refusable(stage: str, make_call: Callable[[], Awaitable[T]]) -> Awaitable[T]:
+    # A replica's overload refusal comes before it does any work: another replica with room
+    # gets the request instead (carpool/refusals.py), and the downstream call is cancelled
+    # with its caller.
+    return call_refusable(
+        lambda: await_or_cancel(make_call()),
+        _refusals(stage),
+        current_controls().priority,
+        _live,
+    )
+
+
+async def call_retrying(stage: str, make_call: Callable[[], Awaitable[T]]) -> T:
+    """``call_backend`` for calls that must not run twice (generation): refused first at the
+    ingress while every replica is full, and a replica's overload refusal tried on another
+    replica with room (a refused call did no work). A lost replica is not retried."""
+    await refuse_if_overloaded(stage)
+    return await call_backend(stage, _refusable(stage, make_call))
 
 
 async def _reraise(exc: BaseException) -> Any:
@@ -632,6 +659,7 @@ async def call_backend(stage: str, call: Awaitable[T]) -> T:
                 "the Retry-After delay",
                 code="overloaded",
                 retry_after_s=1.0,
+                replica=None,  # the caller's own handle refused: the whole stage is full
             )
             raise await _held(_remember(stage, full)) from None
         logger.exception("%s stage failed", stage)

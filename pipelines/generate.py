@@ -48,10 +48,10 @@ from carpool.http import (
     ClosingStreamingResponse,
     apply_ingress_defaults,
     call_backend,
+    call_retrying,
     current_controls,
     error_response,
     make_api,
-    refuse_if_overloaded,
 )
 from deployments.generator import (
     DEFAULT_LARGE,
@@ -107,6 +107,15 @@ api = make_api(
 
 def sse(payload: Any) -> str:
     return f"data: {json.dumps(payload, separators=(',', ':'))}\n\n"
+
+
+async def _open_stream(handle: DeploymentHandle, call: dict[str, Any]) -> tuple[Any, Any]:
+    events = handle.options(stream=True).stream.remote(call)
+    try:
+        return events, await events.__anext__()
+    except BaseException:
+        events.cancel()
+        raise
 
 
 def decision_headers(record: dict[str, Any] | None) -> dict[str, str]:
@@ -257,8 +266,7 @@ class GenerateHandler(PipelineHandler):
             return await self._stream(
                 tier, handle, call, self._completion_chunks(model, body.include_usage())
             )
-        await refuse_if_overloaded(tier)
-        result = await call_backend(tier, handle.generate.remote(call))
+        result = await call_retrying(tier, lambda: handle.generate.remote(call))
         response = CompletionResponse(
             model=_answered_by(result, model),
             choices=[
@@ -332,8 +340,7 @@ class GenerateHandler(PipelineHandler):
                     model, body.choices_per_prompt(), body.include_usage(), tool_parser(body)
                 ),
             )
-        await refuse_if_overloaded(tier)
-        result = await call_backend(tier, handle.generate.remote(call))
+        result = await call_retrying(tier, lambda: handle.generate.remote(call))
         parser = tool_parser(body)
         choices = []
         for c in result["choices"]:
@@ -443,14 +450,10 @@ class GenerateHandler(PipelineHandler):
         call: dict[str, Any],
         fmt: Callable[[dict[str, Any]], list[dict[str, Any]]],
     ) -> ClosingStreamingResponse:
-        events = handle.options(stream=True).stream.remote(call)
         # The first event comes after the replica validated and queued the request, so bad
-        # input still gets a plain 4xx response rather than an error inside a 200 stream.
-        try:
-            first = await call_backend(tier, events.__anext__())
-        except BaseException:
-            events.cancel()
-            raise
+        # input still gets a plain 4xx response rather than an error inside a 200 stream, and
+        # a replica's overload refusal is tried on another replica before any token exists.
+        events, first = await call_retrying(tier, lambda: _open_stream(handle, call))
         headers = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
         headers.update(decision_headers(first.get("carpool")))
         return ClosingStreamingResponse(

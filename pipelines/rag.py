@@ -35,10 +35,9 @@ from carpool.http import (
     MAX_BODY_BYTES,
     ClosingStreamingResponse,
     apply_ingress_defaults,
-    call_backend,
+    call_retrying,
     current_controls,
     make_api,
-    refuse_if_overloaded,
 )
 from carpool.schemas import (
     IngestRequest,
@@ -385,8 +384,8 @@ class RagHandler(PipelineHandler):
                 media_type="text/event-stream",
                 headers=headers,
             )
-        await refuse_if_overloaded("generator")
-        result = await call_backend("generator", self._generator().generate.remote(call))
+        generator = self._generator()
+        result = await call_retrying("generator", lambda: generator.generate.remote(call))
         choice = result["choices"][0]
         response = {
             "id": f"chatcmpl-{uuid.uuid4().hex}",

@@ -15,10 +15,11 @@ starve. A lane with its own ``target`` deployment bypasses that queue.
 from __future__ import annotations
 
 import asyncio
+import logging
 import math
 import os
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 from typing import Any, Literal, Protocol
 
@@ -27,6 +28,7 @@ from pydantic import Field, model_validator
 from carpool.admission import await_or_cancel, deadline_exceeded
 from carpool.config import StrictModel
 from carpool.errors import RequestError
+from carpool.refusals import LiveCount, RefusalMemory, call_refusable, no_live_counts
 from router.choice import (
     LARGE,
     SMALL,
@@ -40,7 +42,9 @@ from router.choice import (
 )
 from router.features import RequestFeatures, extract_features
 from router.lanes import Lane, LanePolicy, ShortestFirstQueue, Tier
-from router.length import LengthPredictor
+from router.length import LengthPredictor, PredictorStore
+
+logger = logging.getLogger(__name__)
 
 ROUTER_METRICS: dict[str, tuple[str, str, list[float] | None]] = {
     "carpool_router_decisions_total": ("counter", "Requests routed, by model and lane.", None),
@@ -100,9 +104,27 @@ class RouterConfig(StrictModel):
     lanes_enabled: bool = Field(
         default=True, description="false: one FIFO lane (the benchmarks' baseline)."
     )
-    max_in_flight: dict[str, int] = Field(
-        default_factory=lambda: {SMALL: 16, LARGE: 16},
-        description="Requests each model has in flight from this router; more wait in lanes.",
+    max_in_flight_per_replica: dict[str, int] = Field(
+        default_factory=dict,
+        description="Requests a model may have in flight per live replica of it, from all "
+        "router replicas together; more wait in lanes, shortest first. The cap follows the "
+        "model's live replica count, so autoscaling adds room. A model not listed gets its "
+        "deployment's max_ongoing_requests (Serve's own per-replica limit): a backlog then "
+        "waits at the replicas, where autoscaling counts it.",
+    )
+    num_replicas: int = Field(
+        default=2,
+        ge=1,
+        le=64,
+        description="Router replicas. Each holds its share of the in-flight caps; their "
+        "length predictors merge what they learn through a deployment-scoped Ray actor.",
+    )
+    predictor_sync_s: float = Field(
+        default=5.0,
+        gt=0,
+        le=3600,
+        description="How often each router replica merges its length predictor's learning "
+        "with the others'.",
     )
     aging_tokens_per_s: float = Field(default=50, gt=0, description="Lane aging rate.")
     max_queued_per_lane: int = Field(
@@ -116,8 +138,21 @@ class RouterConfig(StrictModel):
     default_max_tokens: int = Field(default=256, ge=1, le=131_072)
     predictor_default_tokens: float = Field(default=48, ge=1)
     predictor_snapshot: str | None = Field(
-        default=None, description="Where the length predictor's learned state persists."
+        default=None,
+        description="Where the merged length predictor's state persists, on the node of the "
+        "actor that merges it (pin the router with resources to choose that node).",
     )
+
+    @model_validator(mode="before")
+    @classmethod
+    def _renamed(cls, data: Any) -> Any:
+        if isinstance(data, dict) and "max_in_flight" in data:
+            raise ValueError(
+                "router.max_in_flight was replaced by max_in_flight_per_replica (requests per "
+                "live replica of each model, so the cap grows as a model scales out); rename "
+                "it, e.g. max_in_flight_per_replica: {small: 16, large: 16}"
+            )
+        return data
 
     @model_validator(mode="after")
     def _lanes_ordered(self) -> RouterConfig:
@@ -191,12 +226,19 @@ class _Gate:
     def leave(self, predicted: float) -> None:
         self.queued_tokens = max(0.0, self.queued_tokens - predicted)
         self.in_flight -= 1
-        while len(self.queue):
+        self._admit_waiting()
+
+    def resize(self, limit: int) -> None:
+        """A new cap (the model's replicas changed); a larger one admits waiting requests."""
+        self.limit = max(1, limit)
+        self._admit_waiting()
+
+    def _admit_waiting(self) -> None:
+        while self.in_flight < self.limit and len(self.queue):
             future = self.queue.pop()
             if not future.done():
                 self.in_flight += 1
                 future.set_result(None)
-                return
 
 
 def prompt_text(call: dict[str, Any]) -> tuple[str, int]:
@@ -208,10 +250,32 @@ def prompt_text(call: dict[str, Any]) -> tuple[str, int]:
     return prompts[0], 1
 
 
+# A model's in-flight cap per replica when neither the config nor Serve says (outside Serve).
+FALLBACK_PER_REPLICA = 16
+
+
+def share_of_cap(per_replica: int, model_replicas: int | None, router_replicas: int | None) -> int:
+    """This router replica's in-flight cap for one model: per-replica cap x the model's live
+    replicas, split between the live router replicas (at least 1: a model scaled to zero
+    still gets a request through, which is what makes Serve start a replica)."""
+    total = per_replica * max(model_replicas or 1, 1)
+    return max(1, math.ceil(total / max(router_replicas or 1, 1)))
+
+
+# (model) -> this router replica's in-flight cap for it now.
+CapSource = Callable[[str], int]
+
+
 class RouterServer:
     """Plain-Python router; tests pass fake generator clients."""
 
-    def __init__(self, config: RouterConfig | dict, clients: dict[str, GeneratorClient]) -> None:
+    def __init__(
+        self,
+        config: RouterConfig | dict,
+        clients: dict[str, GeneratorClient],
+        caps: CapSource | None = None,
+        share_predictor: bool = False,
+    ) -> None:
         self.config = (
             config if isinstance(config, RouterConfig) else RouterConfig.model_validate(config)
         )
@@ -219,7 +283,12 @@ class RouterServer:
             raise ValueError("the router needs at least a 'small' generator client")
         self.clients = clients
         c = self.config
+        self.caps = caps or (
+            lambda model: c.max_in_flight_per_replica.get(model, FALLBACK_PER_REPLICA)
+        )
+        # A shared predictor persists where it is merged (PredictorStore), not per replica.
         snapshot = os.path.expanduser(c.predictor_snapshot) if c.predictor_snapshot else None
+        snapshot = None if share_predictor else snapshot
         self.predictor = LengthPredictor(
             default_tokens=c.predictor_default_tokens, snapshot_path=snapshot
         )
@@ -231,7 +300,7 @@ class RouterServer:
         self.learner = EscalationLearner(dims)
         self.gates = {
             name: _Gate(
-                c.max_in_flight.get(name, 16),
+                self.caps(name),
                 ShortestFirstQueue(c.aging_tokens_per_s),
                 fifo=not c.lanes_enabled,
                 max_queued_per_lane=c.max_queued_per_lane,
@@ -273,17 +342,24 @@ class RouterServer:
 
     # --- serving --------------------------------------------------------------------
 
+    def _gate(self, target: str, model: str) -> _Gate:
+        name = target if target in self.gates else model
+        gate = self.gates[name]
+        cap = self.caps(name)
+        if cap != gate.limit:
+            gate.resize(cap)
+        return gate
+
     async def _run(
         self, model: str, lane: Lane, call: dict[str, Any], predicted: float, tier: Tier
     ) -> dict[str, Any]:
-        target = lane.target or model
-        gate = self.gates.get(target) or self.gates[model]
+        gate = self._gate(lane.target or model, model)
         waited = time.monotonic()
         await gate.enter(predicted, tier, call.get("deadline"), lane.name)
         queue_ms = (time.monotonic() - waited) * 1000
         started = time.monotonic()
         try:
-            client = self.clients.get(target) or self.clients[model]
+            client = self.clients.get(lane.target or model) or self.clients[model]
             # The prediction rides along: vLLM's priority queue orders by it (docs/vllm.md).
             result = await client.generate({**call, "predicted_tokens": predicted})
         finally:
@@ -365,7 +441,7 @@ class RouterServer:
             }
             return
         target = lane.target or decision.model
-        gate = self.gates.get(target) or self.gates[decision.model]
+        gate = self._gate(target, decision.model)
         waited = time.monotonic()
         await gate.enter(predicted, tier, call.get("deadline"), lane.name)
         record = {
@@ -442,18 +518,43 @@ class RayRouterMetrics:
 
 
 class _HandleClient:
-    """Adapts a generator DeploymentHandle to the GeneratorClient protocol."""
+    """Adapts a generator DeploymentHandle to the GeneratorClient protocol.
 
-    def __init__(self, handle: Any) -> None:
+    A replica's overload refusal (decided before it generates anything) is tried on another
+    replica of the same model while one has room (carpool/refusals.py).
+    """
+
+    def __init__(self, handle: Any, live: LiveCount = no_live_counts) -> None:
         self.handle = handle
+        self.live = live
+        self.refusals = RefusalMemory()
 
     async def generate(self, call: dict[str, Any]) -> dict[str, Any]:
-        return await await_or_cancel(self.handle.generate.remote(call))
+        return await call_refusable(
+            lambda: await_or_cancel(self.handle.generate.remote(call)),
+            self.refusals,
+            call.get("priority") or "interactive",
+            self.live,
+        )
+
+    async def _open(self, call: dict[str, Any]) -> tuple[Any, dict[str, Any]]:
+        events = self.handle.options(stream=True).stream.remote(call)
+        try:
+            return events, await events.__anext__()
+        except BaseException:
+            events.cancel()
+            raise
 
     async def stream(self, call: dict[str, Any]) -> AsyncIterator[dict[str, Any]]:
-        events = self.handle.options(stream=True).stream.remote(call)
+        events, first = await call_refusable(
+            lambda: self._open(call),
+            self.refusals,
+            call.get("priority") or "interactive",
+            self.live,
+        )
         finished = False
         try:
+            yield first
             async for event in events:
                 yield event
             finished = True
@@ -462,16 +563,73 @@ class _HandleClient:
                 events.cancel()
 
 
+PREDICTOR_ACTOR = "length_predictor"
+
+
 class RouterDeployment(RouterServer):
-    """Serve shell: clients are the generate app's generator handles."""
+    """Serve shell: clients are the generate app's generator handles.
+
+    Its caps follow the live replicas of each model and of the router itself (polled from
+    Serve's controller), and its length predictor merges with the other router replicas'
+    through the deployment-scoped actor ``PREDICTOR_ACTOR``.
+    """
 
     def __init__(self, config: dict, small: Any, large: Any = None) -> None:
-        clients: dict[str, GeneratorClient] = {SMALL: _HandleClient(small)}
+        from carpool.topology import current_replica, live_replicas
+
+        where = current_replica()
+        app = where[0].split("/")[0] if where else ""
+        self._deployments = {SMALL: f"{app}/small", LARGE: f"{app}/large"}
+        self._router = f"{app}/{ROUTER_NAME}"
+        self._live = live_replicas()
+
+        def live(deployment: str) -> int | None:
+            return self._live.count(deployment)
+
+        clients: dict[str, GeneratorClient] = {SMALL: _HandleClient(small, live)}
         if large is not None:
-            clients[LARGE] = _HandleClient(large)
-        super().__init__(config, clients)
+            clients[LARGE] = _HandleClient(large, live)
+        super().__init__(config, clients, caps=self._cap, share_predictor=True)
         self._small = small
         self.listeners.append(RayRouterMetrics())
+        self._epoch: str | None = None
+        self._sync_task = asyncio.get_event_loop().create_task(self._sync_predictor_forever())
+
+    def _cap(self, model: str) -> int:
+        deployment = self._deployments.get(model, "")
+        view = self._live.view(deployment)
+        per_replica = self.config.max_in_flight_per_replica.get(model) or (
+            view.max_ongoing_requests if view and view.max_ongoing_requests else None
+        )
+        return share_of_cap(
+            per_replica or FALLBACK_PER_REPLICA,
+            view.running if view else None,
+            self._live.count(self._router),
+        )
+
+    async def _sync_predictor_forever(self) -> None:
+        from ray import serve
+
+        warned = False
+        while True:
+            await asyncio.sleep(self.config.predictor_sync_s)
+            try:
+                store = serve.get_deployment_actor(PREDICTOR_ACTOR)
+                pending, own = self.predictor.take_learned()
+                try:
+                    merged = await store.sync.remote(self._epoch, pending, own)
+                except BaseException:
+                    self.predictor.return_learned(pending)  # send it again next time
+                    raise
+                self._epoch = merged.pop("epoch")
+                self.predictor.adopt(merged)
+                warned = False
+            except asyncio.CancelledError:
+                raise
+            except Exception as exc:  # the actor is restarting: learn locally meanwhile
+                if not warned:
+                    logger.warning("length predictor sync failed (%s); retrying", exc)
+                    warned = True
 
     async def describe(self) -> dict[str, Any]:
         """For /v1/models: `auto` accepts what the small model accepts."""
@@ -479,17 +637,37 @@ class RouterDeployment(RouterServer):
         return {**small, "model": f"router ({self.config.policy})"}
 
 
-def build_router_deployment(config: RouterConfig, small: Any, large: Any = None) -> Any:
-    from ray import serve
+class SharedLengthPredictor(PredictorStore):
+    """The deployment-scoped actor behind PREDICTOR_ACTOR (plain class; Ray wraps it)."""
 
+
+ROUTER_NAME = "router"
+
+
+def build_router_deployment(config: RouterConfig, small: Any, large: Any = None) -> Any:
+    import ray
+    from ray import serve
+    from ray.serve.config import DeploymentActorConfig
+
+    snapshot = os.path.expanduser(config.predictor_snapshot) if config.predictor_snapshot else None
+    store = DeploymentActorConfig(
+        name=PREDICTOR_ACTOR,
+        actor_class=ray.remote(SharedLengthPredictor),
+        init_kwargs={
+            "default_tokens": config.predictor_default_tokens,
+            "snapshot_path": snapshot,
+        },
+        actor_options={"num_cpus": 0.01},
+    )
     return (
         serve.deployment(RouterDeployment)
         .options(
-            name="router",
-            num_replicas=1,
+            name=ROUTER_NAME,
+            num_replicas=config.num_replicas,
             max_ongoing_requests=1024,
             max_queued_requests=1024,
             ray_actor_options={"num_cpus": 0.05},
+            deployment_actors=[store],
         )
         .bind(config.model_dump(), small, large)
     )

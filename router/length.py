@@ -62,6 +62,10 @@ class LengthPredictor:
         self._moment = self._precision @ self.prior_mean
         self._weights = self.prior_mean.copy()
         self.observations = 0
+        # What this predictor learned itself: since its last merge (pending) and in all (own),
+        # for merging with other router replicas (PredictorStore).
+        self._pending = _Learned.zero(self.dims)
+        self._own = _Learned.zero(self.dims)
         self.snapshot_path = Path(snapshot_path) if snapshot_path else None
         self.snapshot_every = snapshot_every
         if self.snapshot_path is not None and self.snapshot_path.exists():
@@ -92,8 +96,39 @@ class LengthPredictor:
         self._moment += x * y
         self._weights = np.linalg.solve(self._precision, self._moment)
         self.observations += 1
+        for learned in (self._pending, self._own):
+            learned.add(x, y)
         if self.snapshot_path is not None and self.observations % self.snapshot_every == 0:
             self.save(self.snapshot_path)
+
+    def take_learned(self) -> tuple[dict, dict]:
+        """(learned since the last call, learned in all) by this predictor, as plain data."""
+        pending = self._pending.as_dict()
+        self._pending = _Learned.zero(self.dims)
+        return pending, self._own.as_dict()
+
+    def return_learned(self, pending: dict) -> None:
+        """Puts back what ``take_learned`` returned when it could not be merged."""
+        self._pending.precision += np.asarray(pending["precision"])
+        self._pending.moment += np.asarray(pending["moment"])
+        self._pending.observations += int(pending["observations"])
+
+    def merge(self, learned: dict) -> None:
+        """Adds what another predictor learned (``take_learned``'s output)."""
+        self._precision += np.asarray(learned["precision"])
+        self._moment += np.asarray(learned["moment"])
+        self.observations += int(learned["observations"])
+        self._weights = np.linalg.solve(self._precision, self._moment)
+        if self.snapshot_path is not None and learned["observations"]:
+            self.save(self.snapshot_path)
+
+    def adopt(self, state: dict) -> None:
+        """Takes a merged state (``state()`` of a PredictorStore), keeping what this predictor
+        learned since it last called ``take_learned`` on top."""
+        self._precision = np.asarray(state["precision"]) + self._pending.precision
+        self._moment = np.asarray(state["moment"]) + self._pending.moment
+        self.observations = int(state["observations"]) + self._pending.observations
+        self._weights = np.linalg.solve(self._precision, self._moment)
 
     def state(self) -> dict:
         return {
@@ -135,3 +170,46 @@ class LengthPredictor:
         self._weights = np.linalg.solve(self._precision, self._moment)
         self.observations = int(state["observations"])
         return True
+
+
+class _Learned:
+    """Sufficient statistics of some observations: what merging predictors add up."""
+
+    def __init__(self, precision: np.ndarray, moment: np.ndarray, observations: int) -> None:
+        self.precision, self.moment, self.observations = precision, moment, observations
+
+    @classmethod
+    def zero(cls, dims: int) -> _Learned:
+        return cls(np.zeros((dims, dims)), np.zeros(dims), 0)
+
+    def add(self, x: np.ndarray, y: float) -> None:
+        self.precision += np.outer(x, x)
+        self.moment += x * y
+        self.observations += 1
+
+    def as_dict(self) -> dict:
+        return {
+            "precision": self.precision.tolist(),
+            "moment": self.moment.tolist(),
+            "observations": self.observations,
+        }
+
+
+class PredictorStore:
+    """One length predictor merged from every router replica's learning.
+
+    Each replica sends what it learned since its last sync and gets the merged state back, so
+    every replica predicts from all completions, exactly as one predictor would (the posterior
+    is a sum over observations). The store may restart (Serve recreates the actor that holds
+    it): a replica that finds a new ``epoch`` sends everything it learned instead, so nothing
+    is counted twice or lost while any replica that learned it lives. With ``snapshot_path``
+    the merged state also persists on the store's node.
+    """
+
+    def __init__(self, default_tokens: float = 48.0, snapshot_path: str | None = None) -> None:
+        self.predictor = LengthPredictor(default_tokens=default_tokens, snapshot_path=snapshot_path)
+        self.epoch = os.urandom(8).hex()
+
+    def sync(self, epoch: str | None, pending: dict, own: dict) -> dict:
+        self.predictor.merge(pending if epoch == self.epoch else own)
+        return {"epoch": self.epoch, **self.predictor.state()}

@@ -14,7 +14,6 @@ from carpool.admission import (
     DrainAdmission,
     PassCostModel,
     QueueState,
-    RefusalMemory,
     RequestControls,
     StandingQueueAdmission,
     parse_controls,
@@ -23,6 +22,7 @@ from carpool.batching import BatchLimits, Job, LengthAwareExecutor, make_splitte
 from carpool.errors import RequestError
 from carpool.generation.scheduler import PriorityQueue
 from carpool.http import call_backend, current_controls, make_api, refuse_if_overloaded
+from carpool.refusals import RefusalMemory
 from deployments.embedder import EmbedderConfig, EmbeddingServer
 from router.deployment import _Gate
 from router.lanes import ShortestFirstQueue

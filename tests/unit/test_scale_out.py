@@ -1,0 +1,241 @@
+"""Several replicas per stage, without Ray: per-replica refusal memory and retries, router caps
+that follow live replica counts, and length predictors merged across router replicas."""
+
+from __future__ import annotations
+
+import asyncio
+import pickle
+from typing import Any
+
+import numpy as np
+import pytest
+from pydantic import ValidationError
+
+from carpool.errors import RequestError, find_request_error
+from carpool.refusals import RefusalMemory, call_refusable
+from carpool.topology import LiveReplicas, parse_serve_details
+from router.deployment import RouterConfig, RouterServer, share_of_cap
+from router.features import extract_features
+from router.length import LengthPredictor, PredictorStore
+from tests.unit.test_router_server import FakeGenerator, _call
+
+
+def full(replica: str, deployment: str = "generate/small") -> RequestError:
+    return RequestError(
+        503,
+        "full",
+        code="overloaded",
+        retry_after_s=2.0,
+        replica=replica,
+        deployment=deployment,
+    )
+
+
+def test_one_full_replica_among_two_does_not_black_out_the_stage() -> None:
+    clock = [0.0]
+    memory = RefusalMemory(window_s=1.0, clock=lambda: clock[0])
+    two = {"generate/small": 2}.get
+    memory.record(full("a"), "interactive")
+    assert memory.refusal("small", "interactive", two) is None  # b has room
+    assert memory.has_room("generate/small", "interactive", two)
+    memory.record(full("b"), "interactive")
+    local = memory.refusal("small", "interactive", two)
+    assert local is not None and local.status_code == 503 and local.code == "overloaded"
+    clock[0] = 1.5  # past the window: ask the replicas again
+    assert memory.refusal("small", "interactive", two) is None
+    # Unknown replica counts behave as one replica (today's single-replica memory).
+    memory.record(full("a"), "batch")
+    assert memory.refusal("small", "batch") is not None
+
+
+def test_a_refused_request_is_tried_on_another_replica_once_each() -> None:
+    calls: list[str] = []
+    replicas = iter(["a", "b"])
+
+    async def attempt() -> str:
+        replica = next(replicas)
+        calls.append(replica)
+        if replica == "a":
+            raise full("a")
+        return "answered by b"
+
+    memory = RefusalMemory()
+    live = {"generate/small": 2}.get
+    assert asyncio.run(call_refusable(attempt, memory, "interactive", live)) == "answered by b"
+    assert calls == ["a", "b"]
+
+    # One live replica: nothing else to try, the refusal goes back at once.
+    calls.clear()
+
+    async def always_full() -> str:
+        calls.append("a")
+        raise full("a")
+
+    with pytest.raises(RequestError):
+        asyncio.run(call_refusable(always_full, RefusalMemory(), "interactive", {}.get))
+    assert calls == ["a"]
+
+    # Two live replicas both full: each tried once, then refused.
+    calls.clear()
+    names = iter(["a", "b", "c"])
+
+    async def both_full() -> str:
+        name = next(names)
+        calls.append(name)
+        raise full(name)
+
+    with pytest.raises(RequestError):
+        asyncio.run(call_refusable(both_full, RefusalMemory(), "interactive", live))
+    assert calls == ["a", "b"]
+
+
+def test_only_overload_refusals_are_retried() -> None:
+    """Anything else may have done work (a generation must never run twice)."""
+    for error in (
+        RequestError(400, "bad input"),
+        RequestError(503, "replica died", code="backend_unavailable", replica="a"),
+        RuntimeError("boom"),
+    ):
+        calls = []
+
+        async def failing(error: Exception = error, calls: list = calls) -> None:
+            calls.append(1)
+            raise error
+
+        with pytest.raises(type(error)):
+            asyncio.run(
+                call_refusable(failing, RefusalMemory(), "interactive", {"generate/small": 3}.get)
+            )
+        assert calls == [1]
+
+
+def test_a_refusal_says_which_replica_refused_across_a_pickle() -> None:
+    error = pickle.loads(pickle.dumps(full("r1")))
+    assert (error.replica, error.deployment) == ("r1", "generate/small")
+    wrapped = RuntimeError("wrapped")
+    wrapped.__cause__ = error
+    assert find_request_error(wrapped).replica == "r1"
+    assert RequestError(503, "x", code="overloaded").replica is None  # outside Serve
+
+
+def test_replica_counts_come_from_serve_details() -> None:
+    details = {
+        "applications": {
+            "generate": {
+                "deployments": {
+                    "small": {
+                        "deployment_config": {"max_ongoing_requests": 320},
+                        "replicas": [
+                            {"state": "RUNNING"},
+                            {"state": "RUNNING"},
+                            {"state": "STARTING"},
+                        ],
+                    }
+                }
+            }
+        }
+    }
+    views = parse_serve_details(details)
+    assert views["generate/small"].running == 2
+    assert views["generate/small"].max_ongoing_requests == 320
+    fetches = []
+    clock = [0.0]
+
+    def fetch() -> Any:
+        fetches.append(1)
+        return views
+
+    live = LiveReplicas(fetch, interval_s=5.0, clock=lambda: clock[0])
+    assert live.count("generate/small") == 2 and live.count("generate/large") is None
+    assert live.count("generate/small") == 2 and len(fetches) == 1  # cached
+    clock[0] = 6.0
+    live.count("generate/small")
+    assert len(fetches) == 2
+
+    def broken() -> Any:
+        raise ConnectionError("no controller")
+
+    assert LiveReplicas(broken).count("generate/small") is None
+
+
+def test_router_caps_follow_each_models_live_replicas() -> None:
+    assert share_of_cap(64, 1, 1) == 64
+    assert share_of_cap(64, 4, 1) == 256
+    assert share_of_cap(64, 4, 2) == 128  # two router replicas split it
+    assert share_of_cap(64, 0, 1) == 64  # scaled to zero: a request still goes, to wake it
+    assert share_of_cap(1, 1, 3) == 1
+
+    replicas = {"small": 1}
+    small = FakeGenerator("small", delay=0.2)
+    router = RouterServer(
+        {"policy": "cascade", "lanes_enabled": False, "escalate_on_length": False},
+        {"small": small},
+        caps=lambda model: share_of_cap(2, replicas[model], 1),
+    )
+    peak = [0]
+
+    async def main() -> None:
+        async def one(i: int) -> None:
+            await router.generate(_call(f"q{i}"), requested="small")
+
+        async def watch() -> None:
+            for _ in range(40):
+                peak[0] = max(peak[0], router.stats()["in_flight"]["small"])
+                await asyncio.sleep(0.01)
+
+        tasks = [asyncio.create_task(one(i)) for i in range(8)]
+        watcher = asyncio.create_task(watch())
+        await asyncio.sleep(0.05)
+        first_peak = peak[0]
+        replicas["small"] = 3  # the model scaled out: the next request resizes the gate
+        tasks.append(asyncio.create_task(one(99)))
+        await asyncio.gather(*tasks)
+        await watcher
+        assert first_peak == 2
+
+    asyncio.run(main())
+    assert peak[0] == 6
+
+
+def test_the_old_fixed_cap_is_refused_by_name() -> None:
+    with pytest.raises(ValidationError, match="max_in_flight_per_replica"):
+        RouterConfig.model_validate({"max_in_flight": {"small": 16}})
+
+
+def _features(i: int) -> Any:
+    return extract_features("word " * (i % 7 + 1), prompt_tokens=i % 7 + 1, max_tokens=256)
+
+
+def test_router_replicas_merge_what_their_predictors_learn() -> None:
+    store = PredictorStore()
+    one, two, alone = LengthPredictor(), LengthPredictor(), LengthPredictor()
+    epochs: dict[int, str | None] = {id(one): None, id(two): None}
+
+    def sync(p: LengthPredictor) -> None:
+        merged = store.sync(epochs[id(p)], *p.take_learned())
+        epochs[id(p)] = merged.pop("epoch")
+        p.adopt(merged)
+
+    for i in range(60):
+        target = one if i % 2 else two
+        target.observe(_features(i), 10 + 5 * (i % 7))
+        alone.observe(_features(i), 10 + 5 * (i % 7))
+        if i % 9 == 0:
+            sync(target)
+    sync(one)
+    sync(two)
+    sync(one)
+    for p in (one, two):
+        assert p.observations == 60
+        for i in range(7):
+            assert p.predict(_features(i)) == pytest.approx(alone.predict(_features(i)))
+
+    # The store restarts (a new actor): each replica sends all it learned, nothing twice.
+    store = PredictorStore()
+    one.observe(_features(3), 40)
+    alone.observe(_features(3), 40)
+    sync(one)
+    sync(two)
+    sync(one)
+    assert store.predictor.observations == 61
+    np.testing.assert_allclose(store.predictor._moment, alone._moment)
