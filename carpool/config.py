@@ -290,6 +290,12 @@ class IngressConfig(StrictModel):
     num_cpus: float = Field(
         default=0.1, gt=0, le=64, description="CPUs reserved per ingress replica."
     )
+    resources: dict[str, float] = Field(
+        default_factory=dict,
+        description="Custom Ray resources the ingress asks for, to pin it to a node type "
+        "(serve-gpu.yaml keeps ingresses on the head node, beside Serve's proxy, so losing a "
+        "GPU worker never takes an ingress and the requests it holds).",
+    )
     max_ongoing_requests: int = Field(
         default=512,
         ge=1,
@@ -334,5 +340,5 @@ class IngressConfig(StrictModel):
             "max_ongoing_requests": self.max_ongoing_requests,
             # Bounded, as Serve's default is not: past it the proxy answers 503 at once.
             "max_queued_requests": self.max_ongoing_requests,
-            "ray_actor_options": {"num_cpus": self.num_cpus},
+            "ray_actor_options": {"num_cpus": self.num_cpus, "resources": dict(self.resources)},
         }

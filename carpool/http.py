@@ -595,10 +595,14 @@ async def _held(error: RequestError) -> RequestError:
 
 
 async def call_idempotent(stage: str, make_call: Callable[[], Awaitable[T]]) -> T:
-    """Like ``call_backend``, but retried once when the replica died mid-call.
+    """Like ``call_backend``, over several replicas: refused at the ingress only while every
+    replica of the stage is known to be full; a replica's overload refusal (decided before it
+    did any work) tried on another replica with room; a call whose replica died mid-call
+    retried once elsewhere (the restarted or another replica).
 
-    Only for calls that may run twice with the same effect (embed, rank, retrieve): the retry
-    goes to another (or the restarted) replica, so a replica lost under load loses no request.
+    For embed, rank, retrieve, and generation answered whole or before a stream's first
+    event: a lost replica's work never reached the client, so the retry is the only answer
+    it sees; a stream already under way is never restarted.
     """
     await refuse_if_overloaded(stage)
     try:
@@ -622,14 +626,6 @@ def _refusable(stage: str, make_call: Callable[[], Awaitable[T]]) -> Awaitable[T
         current_controls().priority,
         _live,
     )
-
-
-async def call_retrying(stage: str, make_call: Callable[[], Awaitable[T]]) -> T:
-    """``call_backend`` for calls that must not run twice (generation): refused first at the
-    ingress while every replica is full, and a replica's overload refusal tried on another
-    replica with room (a refused call did no work). A lost replica is not retried."""
-    await refuse_if_overloaded(stage)
-    return await call_backend(stage, _refusable(stage, make_call))
 
 
 async def _reraise(exc: BaseException) -> Any:

@@ -48,7 +48,7 @@ from carpool.http import (
     ClosingStreamingResponse,
     apply_ingress_defaults,
     call_backend,
-    call_retrying,
+    call_idempotent,
     current_controls,
     error_response,
     make_api,
@@ -266,7 +266,7 @@ class GenerateHandler(PipelineHandler):
             return await self._stream(
                 tier, handle, call, self._completion_chunks(model, body.include_usage())
             )
-        result = await call_retrying(tier, lambda: handle.generate.remote(call))
+        result = await call_idempotent(tier, lambda: handle.generate.remote(call))
         response = CompletionResponse(
             model=_answered_by(result, model),
             choices=[
@@ -340,7 +340,7 @@ class GenerateHandler(PipelineHandler):
                     model, body.choices_per_prompt(), body.include_usage(), tool_parser(body)
                 ),
             )
-        result = await call_retrying(tier, lambda: handle.generate.remote(call))
+        result = await call_idempotent(tier, lambda: handle.generate.remote(call))
         parser = tool_parser(body)
         choices = []
         for c in result["choices"]:
@@ -453,7 +453,7 @@ class GenerateHandler(PipelineHandler):
         # The first event comes after the replica validated and queued the request, so bad
         # input still gets a plain 4xx response rather than an error inside a 200 stream, and
         # a replica's overload refusal is tried on another replica before any token exists.
-        events, first = await call_retrying(tier, lambda: _open_stream(handle, call))
+        events, first = await call_idempotent(tier, lambda: _open_stream(handle, call))
         headers = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
         headers.update(decision_headers(first.get("carpool")))
         return ClosingStreamingResponse(

@@ -35,7 +35,7 @@ from carpool.http import (
     MAX_BODY_BYTES,
     ClosingStreamingResponse,
     apply_ingress_defaults,
-    call_retrying,
+    call_idempotent,
     current_controls,
     make_api,
 )
@@ -385,7 +385,7 @@ class RagHandler(PipelineHandler):
                 headers=headers,
             )
         generator = self._generator()
-        result = await call_retrying("generator", lambda: generator.generate.remote(call))
+        result = await call_idempotent("generator", lambda: generator.generate.remote(call))
         choice = result["choices"][0]
         response = {
             "id": f"chatcmpl-{uuid.uuid4().hex}",

@@ -119,6 +119,11 @@ class RouterConfig(StrictModel):
         description="Router replicas. Each holds its share of the in-flight caps; their "
         "length predictors merge what they learn through a deployment-scoped Ray actor.",
     )
+    resources: dict[str, float] = Field(
+        default_factory=dict,
+        description="Custom Ray resources each router replica asks for, to pin it to a node "
+        "type (serve-gpu.yaml: the head node, with the ingresses).",
+    )
     predictor_sync_s: float = Field(
         default=5.0,
         gt=0,
@@ -657,7 +662,7 @@ def build_router_deployment(config: RouterConfig, small: Any, large: Any = None)
             "default_tokens": config.predictor_default_tokens,
             "snapshot_path": snapshot,
         },
-        actor_options={"num_cpus": 0.01},
+        actor_options={"num_cpus": 0.01, "resources": dict(config.resources)},
     )
     return (
         serve.deployment(RouterDeployment)
@@ -666,7 +671,7 @@ def build_router_deployment(config: RouterConfig, small: Any, large: Any = None)
             num_replicas=config.num_replicas,
             max_ongoing_requests=1024,
             max_queued_requests=1024,
-            ray_actor_options={"num_cpus": 0.05},
+            ray_actor_options={"num_cpus": 0.05, "resources": dict(config.resources)},
             deployment_actors=[store],
         )
         .bind(config.model_dump(), small, large)

@@ -81,7 +81,7 @@ def main() -> int:
             "import_path": "pipelines.embed:build_embed_app",
             "args": {
                 "embedder": {
-                    "source": {"model": models["encoder"]},
+                    "source": {"model": models["encoder"], "device": "cpu"},
                     "replica": on_gpu,
                     "batching": batching,
                 }
@@ -94,7 +94,7 @@ def main() -> int:
             "args": {
                 "ranker": {
                     "backend": "cross_encoder",
-                    "source": {"model": models["cross_encoder"]},
+                    "source": {"model": models["cross_encoder"], "device": "cpu"},
                     "replica": on_gpu,
                     "batching": batching,
                 }
@@ -123,7 +123,11 @@ def main() -> int:
             "import_path": "pipelines.generate:build_generate_app",
             "args": {
                 "small": {
-                    "source": {"model": models["causal_lm"], "served_model_name": "tiny"},
+                    "source": {
+                        "model": models["causal_lm"],
+                        "served_model_name": "tiny",
+                        "device": "cpu",
+                    },
                     "replica": on_gpu,
                     "limits": {"max_seq_len": 512, "default_max_tokens": 8},
                 },

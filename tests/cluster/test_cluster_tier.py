@@ -1,0 +1,32 @@
+"""serve-gpu.yaml's shape on a simulated head + two GPU workers (tests/cluster/scenario.py).
+
+Its own Ray cluster in a child process: a driver joins one cluster, and the session's shared
+Ray is a single node. About 6 minutes on 2 cores.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+SCENARIO = Path(__file__).with_name("scenario.py")
+
+
+def test_serve_gpu_shape_scales_spreads_and_survives_a_worker() -> None:
+    env = {**os.environ, "RAY_AUTH_MODE": "disabled", "RAY_ADDRESS": ""}
+    done = subprocess.run(
+        [sys.executable, str(SCENARIO)],
+        capture_output=True,
+        text=True,
+        timeout=1200,
+        env=env,
+        cwd=Path(__file__).resolve().parents[2],
+    )
+    lines = [x for x in done.stdout.splitlines() if x.startswith("CARPOOL_RESULT ")]
+    assert done.returncode == 0 and lines, done.stdout[-4000:] + done.stderr[-4000:]
+    report = json.loads(lines[-1].removeprefix("CARPOOL_RESULT "))
+    print(json.dumps(report, indent=1))
+    assert report["ok"]
