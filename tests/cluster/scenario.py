@@ -278,6 +278,17 @@ def main() -> int:
     assert len(served) == 2, f"small work by replica: {served}"
     assert min(served.values()) >= total / 3, f"one small replica took too little: {served}"
 
+    # The two router replicas predict from all of it: their length predictors merge.
+    router = serve.get_deployment_handle("router", "generate")
+    answered_auto = sum(1 for _, status, _ in statuses if status == 200)
+
+    def merged() -> list[int]:
+        seen = [router.stats.remote().result()["predictor_observations"] for _ in range(12)]
+        return seen if min(seen) >= answered_auto else []
+
+    report["router_predictor_observations"] = sorted(set(wait_for(merged, 30, "merged")))
+    report["auto_answered_in_phase"] = answered_auto
+
     # 4. With the load gone, small scales back in.
     started = time.monotonic()
     wait_for(lambda: small_running() == 1, 120, "small scaled back to 1 replica")
