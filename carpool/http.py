@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import asyncio
 import contextvars
-import hmac
 import logging
 import math
 import os
@@ -30,6 +29,10 @@ from carpool.admission import (
     deadline_exceeded,
     parse_controls,
 )
+
+# API keys and per-key limits live in carpool.auth; re-exported for existing imports.
+from carpool.auth import ApiKeyAuth as ApiKeyAuth
+from carpool.auth import load_api_keys as load_api_keys
 from carpool.config import IngressConfig
 from carpool.errors import RequestError, find_request_error
 from carpool.refusals import RefusalMemory, call_refusable
@@ -225,56 +228,6 @@ def _body_error(cause: BaseException | None, max_body_bytes: int) -> JSONRespons
         400,
         f"request body could not be parsed ({type(cause).__name__}); send UTF-8 encoded JSON",
     )
-
-
-def load_api_keys() -> list[bytes]:
-    """Keys from $CARPOOL_API_KEYS (comma-separated) and/or $CARPOOL_API_KEYS_FILE (one a line).
-
-    None configured means the ingress is open, as it is by default on 127.0.0.1.
-    """
-    keys = [k.strip() for k in os.environ.get("CARPOOL_API_KEYS", "").split(",")]
-    path = os.environ.get("CARPOOL_API_KEYS_FILE")
-    if path:
-        with open(path) as fh:
-            keys += [line.strip() for line in fh]
-    return [k.encode() for k in keys if k and not k.startswith("#")]
-
-
-class ApiKeyAuth:
-    """ASGI middleware: ``Authorization: Bearer <key>`` on every route but /healthz.
-
-    Keys are read once per replica from the environment; comparison is constant-time so the
-    response time leaks nothing about how much of a key was right.
-    """
-
-    OPEN_PATHS = ("/healthz",)
-
-    def __init__(self, app: Any) -> None:
-        self.app = app
-        self.keys: list[bytes] | None = None
-
-    async def __call__(self, scope: dict, receive: Callable, send: Callable) -> None:
-        if self.keys is None:
-            self.keys = load_api_keys()
-        if scope["type"] != "http" or not self.keys or scope["path"].endswith(self.OPEN_PATHS):
-            await self.app(scope, receive, send)
-            return
-        header = dict(scope.get("headers", [])).get(b"authorization", b"")
-        scheme, _, token = header.partition(b" ")
-        # Check every key without stopping early, so timing does not say which one matched.
-        matched = False
-        for key in self.keys:
-            matched |= hmac.compare_digest(token.strip(), key)
-        if scheme.lower() != b"bearer" or not matched:
-            response = error_response(
-                401,
-                "missing or wrong API key; send `Authorization: Bearer <key>` with a key from "
-                "CARPOOL_API_KEYS",
-                code="invalid_api_key",
-            )
-            await response(scope, receive, send)
-            return
-        await self.app(scope, receive, send)
 
 
 # RequestControls is a frozen dataclass, so one shared default is safe.

@@ -19,6 +19,7 @@ from ray import serve
 from ray.serve.deployment import Application
 from ray.serve.handle import DeploymentHandle
 
+from carpool.auth import health_body
 from carpool.config import IngressConfig, ModelSourceConfig, StrictModel
 from carpool.errors import RequestError, find_request_error
 from carpool.generation.logprobs import chat_logprobs, completion_logprobs
@@ -550,8 +551,8 @@ class GenerateIngress(GenerateHandler):
         }
 
     @api.get("/healthz")
-    async def healthz(self) -> dict[str, str]:
-        return {"status": "ok"}
+    async def healthz(self) -> dict[str, Any]:
+        return health_body()  # {"status": "ok"}, plus warnings when open to anyone
 
 
 def build_generate_app(args: dict[str, Any] | None = None) -> Application:

@@ -26,6 +26,7 @@ from pydantic import BaseModel, Field, ValidationError
 from ray import serve
 from ray.serve.deployment import Application
 
+from carpool.auth import health_body
 from carpool.config import IngressConfig, StrictModel
 from carpool.errors import RequestError
 from carpool.generation.schemas import ChatCompletionRequest, CompletionRequest
@@ -324,8 +325,8 @@ class OpenAIIngress:
         return JSONResponse({"object": "list", "data": cards}, headers=headers)
 
     @api.get("/healthz")
-    async def healthz(self) -> dict[str, str]:
-        return {"status": "ok"}
+    async def healthz(self) -> dict[str, Any]:
+        return health_body()  # {"status": "ok"}, plus warnings when open to anyone
 
 
 def build_openai_app(args: dict[str, Any] | None = None) -> Application:

@@ -22,6 +22,7 @@ from ray import serve
 from ray.serve.deployment import Application
 from ray.serve.handle import DeploymentHandle
 
+from carpool.auth import health_body
 from carpool.config import IngressConfig, StrictModel
 from carpool.errors import RequestError
 from carpool.generation.schemas import (
@@ -500,8 +501,8 @@ class RagIngress(RagHandler, DocumentRoutes):
         return ModelList(data=[self.model_card()])
 
     @api.get("/healthz")
-    async def healthz(self) -> dict[str, str]:
-        return {"status": "ok"}
+    async def healthz(self) -> dict[str, Any]:
+        return health_body()  # {"status": "ok"}, plus warnings when open to anyone
 
 
 def build_rag_app(args: dict[str, Any] | None = None) -> Application:

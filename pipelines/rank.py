@@ -15,6 +15,7 @@ from ray import serve
 from ray.serve.deployment import Application
 from ray.serve.handle import DeploymentHandle
 
+from carpool.auth import health_body
 from carpool.config import IngressConfig, StrictModel
 from carpool.errors import RequestError
 from carpool.http import (
@@ -203,8 +204,8 @@ class RankIngress(RankHandler):
         return await call_backend("ranker", self.ranker.stats.remote())
 
     @api.get("/healthz")
-    async def healthz(self) -> dict[str, str]:
-        return {"status": "ok"}
+    async def healthz(self) -> dict[str, Any]:
+        return health_body()  # {"status": "ok"}, plus warnings when open to anyone
 
 
 def build_rank_app(args: dict[str, Any] | None = None) -> Application:

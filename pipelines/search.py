@@ -14,6 +14,7 @@ from ray import serve
 from ray.serve.deployment import Application
 from ray.serve.handle import DeploymentHandle
 
+from carpool.auth import health_body
 from carpool.config import IngressConfig, StrictModel
 from carpool.errors import RequestError
 from carpool.http import (
@@ -174,8 +175,8 @@ class SearchIngress(DocumentRoutes):
         return ModelList(data=[ModelCard(id=self.args.app_name, created=self.created)])
 
     @api.get("/healthz")
-    async def healthz(self) -> dict[str, str]:
-        return {"status": "ok"}
+    async def healthz(self) -> dict[str, Any]:
+        return health_body()  # {"status": "ok"}, plus warnings when open to anyone
 
 
 def build_search_app(args: dict[str, Any] | None = None) -> Application:
