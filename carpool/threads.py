@@ -4,8 +4,10 @@ A replica's ``num_cpus`` is what Ray reserves for it, so that every replica of a
 fits on its nodes. It is a floor, not what the node has free: on a 2-core machine serving
 embeddings alone, an embedder sized to its 0.5 CPU computes on one core while the other idles
 (the peer it is compared with, Infinity, computes on both). ``idle_cores`` lets each pass take
-the cores that no other process used over the previous pass, and gives them back within one
-pass once another replica needs them.
+the cores that no other process of this container used over the previous pass (within its
+CPU quota), and gives them back within one pass once another replica needs them. It sees only
+its own cgroup: on a shared node, other tenants' load is theirs to bound, and a cluster config
+keeps ``reserved`` (only the single-box ``serve.yaml`` turns ``idle_cores`` on).
 
 Policies are plain objects (no torch, no Ray); the sampler is injected, so the arithmetic is
 tested with made-up samples. ``carpool.models.ThreadedForward`` applies the count.
@@ -13,6 +15,7 @@ tested with made-up samples. ``carpool.models.ThreadedForward`` applies the coun
 
 from __future__ import annotations
 
+import logging
 import math
 import os
 import time
@@ -23,8 +26,7 @@ from typing import Protocol
 # A window shorter than this says little about other processes' load (a scheduler tick is
 # 4 ms): the previous decision stands.
 MIN_WINDOW_S = 0.05
-# Clock ticks per second of /proc/stat (USER_HZ; 100 on every Linux build that matters).
-CLOCK_TICKS = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
+logger = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -32,7 +34,7 @@ class CpuSample:
     """Cumulative CPU counters at one instant."""
 
     at_s: float  # monotonic wall clock
-    busy_s: float  # CPU-seconds the cores this process may use were busy, by anyone
+    busy_s: float  # CPU-seconds this container (cgroup) used, all its processes
     own_s: float  # CPU-seconds this process used (all its threads)
 
 
@@ -42,56 +44,104 @@ class CpuSampler(Protocol):
     def sample(self) -> CpuSample | None: ...  # None when the counters cannot be read
 
 
+def _cgroup_paths(root: Path) -> dict[str, str]:
+    """This process's cgroup path per controller ("" for the v2 unified hierarchy)."""
+    paths: dict[str, str] = {}
+    try:
+        lines = (root / "proc/self/cgroup").read_text().splitlines()
+    except OSError:
+        return paths
+    for line in lines:
+        _, controllers, path = line.split(":", 2)
+        for controller in controllers.split(",") if controllers else [""]:
+            paths[controller] = path.lstrip("/")
+    return paths
+
+
+def _v1_dir(root: Path, paths: dict[str, str], controller: str) -> Path | None:
+    # v1 mounts a controller alone or co-mounted (cpu,cpuacct); the process's own cgroup
+    # folder is where its quota and usage are, and a container sees its own as "/".
+    for mount in (controller, "cpu,cpuacct", "cpuacct,cpu"):
+        base = root / "sys/fs/cgroup" / mount
+        if base.is_dir():
+            own = base / paths.get(controller, "")
+            return own if own.is_dir() else base
+    return None
+
+
+def _v2_dir(root: Path, paths: dict[str, str]) -> Path | None:
+    base = root / "sys/fs/cgroup"
+    if not (base / "cgroup.controllers").is_file():
+        return None
+    own = base / paths.get("", "")
+    return own if own.is_dir() else base
+
+
+def cgroup_quota_cores(root: Path = Path("/")) -> float | None:
+    """This container's CPU quota in cores (cgroup v2 ``cpu.max`` or v1 CFS quota); None
+    when it has none or it cannot be read."""
+    paths = _cgroup_paths(root)
+    try:
+        v2 = _v2_dir(root, paths)
+        if v2 is not None and (v2 / "cpu.max").is_file():
+            quota, period = (v2 / "cpu.max").read_text().split()[:2]
+            return None if quota == "max" else int(quota) / int(period)
+        v1 = _v1_dir(root, paths, "cpu")
+        if v1 is not None:
+            quota_us = int((v1 / "cpu.cfs_quota_us").read_text())
+            period_us = int((v1 / "cpu.cfs_period_us").read_text())
+            return None if quota_us < 0 else quota_us / period_us
+    except (OSError, ValueError):
+        pass
+    return None
+
+
 def usable_cores(root: Path = Path("/")) -> int:
-    """Cores this process may run on: its CPU affinity, capped by a cgroup v2 CPU quota."""
+    """Cores this process may run on: its CPU affinity, capped by its cgroup's CPU quota (v2
+    or v1). A quota of 1.5 cores gives 1: a second thread would be throttled half the time,
+    and a pass waits for its slowest thread."""
     try:
         cores = len(os.sched_getaffinity(0))
     except (AttributeError, OSError):
         cores = os.cpu_count() or 1
-    try:
-        quota, period = (root / "sys/fs/cgroup/cpu.max").read_text().split()[:2]
-        if quota != "max":
-            cores = min(cores, max(1, math.floor(int(quota) / int(period))))
-    except (OSError, ValueError):
-        pass
+    quota = cgroup_quota_cores(root)
+    if quota is not None:
+        cores = min(cores, max(1, math.floor(quota)))
     return max(1, cores)
 
 
-class ProcStatSampler:
-    """Linux counters: ``/proc/stat`` for the cores in this process's affinity, and the
-    process's own CPU time. Where they cannot be read, ``sample`` returns None and the policy
-    keeps the reserved threads.
+class CgroupSampler:
+    """This container's own CPU use: its cgroup's usage counter (v2 ``cpu.stat``
+    ``usage_usec``, v1 ``cpuacct.usage``), never the whole node's ``/proc/stat``, which in a
+    container is every tenant's CPU. Where it cannot be read, ``sample`` returns None and the
+    policy keeps the reserved threads.
     """
 
-    def __init__(self, proc: Path = Path("/proc"), cores: int | None = None) -> None:
-        self.proc = proc
+    def __init__(self, root: Path = Path("/"), cores: int | None = None) -> None:
+        self.root = root
+        paths = _cgroup_paths(root)
+        self._v2 = _v2_dir(root, paths)
+        self._v1 = _v1_dir(root, paths, "cpuacct")
+        self.cores = cores if cores is not None else usable_cores(root)
+
+    def usage_s(self) -> float | None:
         try:
-            self._cpus = {f"cpu{i}" for i in os.sched_getaffinity(0)}
-        except (AttributeError, OSError):
-            self._cpus = None  # every cpuN line
-        self.cores = cores if cores is not None else usable_cores()
+            if self._v2 is not None and (self._v2 / "cpu.stat").is_file():
+                for line in (self._v2 / "cpu.stat").read_text().splitlines():
+                    key, _, value = line.partition(" ")
+                    if key == "usage_usec":
+                        return int(value) / 1e6
+            if self._v1 is not None:
+                return int((self._v1 / "cpuacct.usage").read_text()) / 1e9
+        except (OSError, ValueError):
+            pass
+        return None
 
     def sample(self) -> CpuSample | None:
-        try:
-            lines = (self.proc / "stat").read_text().splitlines()
-        except OSError:
+        used = self.usage_s()
+        if used is None:
             return None
-        busy_ticks = 0
-        seen = False
-        for line in lines:
-            name, _, rest = line.partition(" ")
-            if not name.startswith("cpu") or name == "cpu":
-                continue
-            if self._cpus is not None and name not in self._cpus:
-                continue
-            fields = [int(v) for v in rest.split()]
-            # user nice system idle iowait irq softirq steal (guest time is inside user):
-            # idle and iowait are free; steal is time the host did not give us, so busy.
-            busy_ticks += sum(fields[:3]) + sum(fields[5:8])
-            seen = True
-        if not seen:
-            return None
-        return CpuSample(time.monotonic(), busy_ticks / CLOCK_TICKS, time.process_time())
+        return CpuSample(time.monotonic(), used, time.process_time())
 
 
 class ThreadPolicy(Protocol):
@@ -155,6 +205,13 @@ def make_thread_policy(
     if name == "reserved":
         return ReservedThreads(reserved)
     if name == "idle_cores":
-        sampler = sampler or ProcStatSampler()
+        sampler = sampler or CgroupSampler()
+        if sampler.sample() is None:
+            logger.warning(
+                "thread_policy idle_cores cannot read this container's CPU use (no cgroup v2 "
+                "cpu.stat or v1 cpuacct.usage); running %d reserved threads instead",
+                reserved,
+            )
+            return ReservedThreads(reserved)
         return IdleCoreThreads(reserved, ceiling or sampler.cores, sampler)
     raise ValueError(f"thread_policy {name!r} is not one of {list(THREAD_POLICIES)}")

@@ -11,11 +11,11 @@ from pathlib import Path
 import pytest
 
 from carpool.threads import (
-    CLOCK_TICKS,
+    CgroupSampler,
     CpuSample,
     IdleCoreThreads,
-    ProcStatSampler,
     ReservedThreads,
+    cgroup_quota_cores,
     make_thread_policy,
     usable_cores,
 )
@@ -107,53 +107,80 @@ def test_policies_are_picked_by_name() -> None:
         make_thread_policy("all_of_them", 1)
 
 
-def _fake_proc(tmp_path: Path, cpus: dict[int, list[int]]) -> Path:
-    lines = ["cpu  1 2 3 4 5 6 7 8 0 0"]
-    lines += [f"cpu{i} " + " ".join(str(v) for v in f) + " 0 0" for i, f in cpus.items()]
-    lines += ["intr 12345", "ctxt 999", "btime 1700000000"]
-    (tmp_path / "stat").write_text("\n".join(lines) + "\n")
-    return tmp_path
+def _cgroup_v2(root: Path, cpu_max: str, usage_usec: int, own: str = "pod/replica") -> Path:
+    (root / "proc/self").mkdir(parents=True, exist_ok=True)
+    (root / "proc/self/cgroup").write_text(f"0::/{own}\n")
+    base = root / "sys/fs/cgroup"
+    base.mkdir(parents=True, exist_ok=True)
+    (base / "cgroup.controllers").write_text("cpu memory\n")
+    # The node's root counters: every tenant's CPU, which the sampler must not read.
+    (base / "cpu.stat").write_text("usage_usec 999999999999\n")
+    mine = base / own
+    mine.mkdir(parents=True, exist_ok=True)
+    (mine / "cpu.max").write_text(cpu_max + "\n")
+    (mine / "cpu.stat").write_text(f"usage_usec {usage_usec}\nuser_usec 1\n")
+    return root
 
 
-def test_proc_stat_sampler_counts_busy_ticks_of_its_own_cores(tmp_path: Path) -> None:
-    mine = sorted(os.sched_getaffinity(0))
-    # user nice system idle iowait irq softirq steal: idle and iowait are not busy.
-    cpus = {i: [100, 10, 50, 9000, 400, 5, 5, 30] for i in mine}
-    cpus[max(mine) + 1] = [10_000, 0, 0, 0, 0, 0, 0, 0]  # a core this process may not use
-    sampler = ProcStatSampler(_fake_proc(tmp_path, cpus), cores=len(mine))
-    sample = sampler.sample()
-    assert sample is not None
-    assert sample.busy_s == pytest.approx(len(mine) * 200 / CLOCK_TICKS)
-    assert sampler.cores == len(mine)
+def _cgroup_v1(root: Path, quota_us: int, usage_ns: int, own: str = "docker/abc") -> Path:
+    (root / "proc/self").mkdir(parents=True, exist_ok=True)
+    (root / "proc/self/cgroup").write_text(f"12:memory:/{own}\n4:cpu,cpuacct:/{own}\n0::/\n")
+    base = root / "sys/fs/cgroup/cpu,cpuacct"
+    (base / own).mkdir(parents=True)
+    (base / "cpuacct.usage").write_text("999999999999999\n")  # the node's, not ours
+    (base / own / "cpu.cfs_quota_us").write_text(f"{quota_us}\n")
+    (base / own / "cpu.cfs_period_us").write_text("100000\n")
+    (base / own / "cpuacct.usage").write_text(f"{usage_ns}\n")
+    return root
 
 
-def test_proc_stat_sampler_without_counters_says_so(tmp_path: Path) -> None:
-    assert ProcStatSampler(tmp_path, cores=2).sample() is None  # no stat file
-    (tmp_path / "stat").write_text("intr 1\n")
-    assert ProcStatSampler(tmp_path, cores=2).sample() is None  # no cpuN lines
+def test_usable_cores_honours_a_cgroup_v2_quota(tmp_path: Path) -> None:
+    affinity = len(os.sched_getaffinity(0))
+    root = _cgroup_v2(tmp_path, "max 100000", 0)
+    assert usable_cores(root) == affinity
+    _cgroup_v2(tmp_path, "150000 100000", 0)  # 1.5 CPUs: one whole thread
+    assert usable_cores(root) == 1
+    assert cgroup_quota_cores(root) == pytest.approx(1.5)
+
+
+def test_usable_cores_honours_a_cgroup_v1_quota(tmp_path: Path) -> None:
+    root = _cgroup_v1(tmp_path / "a", quota_us=150_000, usage_ns=0)
+    assert usable_cores(root) == 1 and cgroup_quota_cores(root) == pytest.approx(1.5)
+    unlimited = _cgroup_v1(tmp_path / "b", quota_us=-1, usage_ns=0)
+    assert cgroup_quota_cores(unlimited) is None
+    assert usable_cores(unlimited) == len(os.sched_getaffinity(0))
+
+
+def test_the_sampler_reads_this_containers_usage_not_the_nodes(tmp_path: Path) -> None:
+    v2 = CgroupSampler(_cgroup_v2(tmp_path / "v2", "200000 100000", usage_usec=2_500_000))
+    sample = v2.sample()
+    assert sample is not None and sample.busy_s == pytest.approx(2.5)
+    assert v2.cores == min(2, len(os.sched_getaffinity(0)))
+    v1 = CgroupSampler(_cgroup_v1(tmp_path / "v1", quota_us=300_000, usage_ns=4_000_000_000))
+    sample = v1.sample()
+    assert sample is not None and sample.busy_s == pytest.approx(4.0)
+
+
+def test_idle_cores_without_cgroup_counters_runs_the_reservation(tmp_path: Path) -> None:
+    (tmp_path / "proc/self").mkdir(parents=True)
+    (tmp_path / "proc/self/cgroup").write_text("0::/\n")
+    sampler = CgroupSampler(tmp_path, cores=4)
+    assert sampler.sample() is None
+    policy = make_thread_policy("idle_cores", 2, 4, sampler=sampler)
+    assert isinstance(policy, ReservedThreads) and policy.threads() == 2
 
 
 def test_the_live_sampler_sees_this_process_compute() -> None:
-    sampler = ProcStatSampler()
+    sampler = CgroupSampler()
     before = sampler.sample()
-    assert before is not None  # these tests run on Linux
+    assert before is not None  # these tests run on Linux with cgroup v1 or v2 counters
     x = 0
     for i in range(3_000_000):
         x += i * i
     after = sampler.sample()
     assert after is not None
     assert after.own_s > before.own_s
-    assert after.busy_s >= before.busy_s
-
-
-def test_usable_cores_honours_a_cgroup_quota(tmp_path: Path) -> None:
-    affinity = len(os.sched_getaffinity(0))
-    cgroup = tmp_path / "sys/fs/cgroup"
-    cgroup.mkdir(parents=True)
-    (cgroup / "cpu.max").write_text("max 100000\n")
-    assert usable_cores(tmp_path) == affinity
-    (cgroup / "cpu.max").write_text("150000 100000\n")  # 1.5 CPUs: one whole thread
-    assert usable_cores(tmp_path) == 1
+    assert after.busy_s >= before.busy_s + 0.5 * (after.own_s - before.own_s)
 
 
 def test_threaded_forward_sets_the_count_in_the_thread_that_runs_the_pass() -> None:
