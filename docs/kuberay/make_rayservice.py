@@ -22,6 +22,7 @@ apart, and when a manifest would let a stranger in.
 from __future__ import annotations
 
 import argparse
+import re
 import sys
 import textwrap
 from dataclasses import dataclass
@@ -220,8 +221,17 @@ def _indent(text: str, spaces: int) -> str:
     return textwrap.indent(text.rstrip("\n"), " " * spaces)
 
 
+# serve.yaml's idle_cores suits one box that carpool has to itself; a pod shares its node with
+# other tenants, so the manifests run the reserved threads (carpool/threads.py).
+SHARED_NODE_THREADS = (
+    "thread_policy: reserved   # a pod shares its node: idle_cores is for serve.yaml's own box"
+)
+
+
 def render(serve_yaml: str, manifest: Manifest = MANIFESTS[0]) -> str:
-    serve_config = SERVE_HEADER + "\n" + applications_block(serve_yaml, manifest.serve_config)
+    applications = applications_block(serve_yaml, manifest.serve_config)
+    applications = re.sub(r"thread_policy: idle_cores[^\n]*", SHARED_NODE_THREADS, applications)
+    serve_config = SERVE_HEADER + "\n" + applications
     cluster = manifest.cluster.format(
         image=manifest.image,
         head_env=_indent(CONTAINER_ENV, 10),
