@@ -174,18 +174,23 @@ class ReplicaConfig(StrictModel):
     )
     thread_policy: Literal["reserved", "idle_cores"] = Field(
         default="reserved",
-        description="Threads per model pass (embedder and ranker). reserved: torch_threads, "
-        "fixed. idle_cores: torch_threads plus the cores of this node no other process kept "
-        "busy during the previous pass (up to max_torch_threads), so a replica alone on a "
-        "node computes on all of it and shrinks back within one pass when others need the "
-        "cores (carpool.threads).",
+        description="Threads per model pass (embedder and ranker). reserved (the default, "
+        "and every cluster config's): torch_threads, fixed. idle_cores (serve.yaml, one box "
+        "carpool has to itself): torch_threads plus the cores of this container's CPU (its "
+        "affinity, capped by its cgroup v2 or v1 quota) that no other process of its cgroup "
+        "kept busy during the previous pass, measured from the cgroup's own usage counter, "
+        "never the node's /proc/stat (up to max_torch_threads); so a replica alone computes "
+        "on all of it and shrinks back within one pass when others need the cores. Where the "
+        "cgroup's counters cannot be read it keeps torch_threads, with a warning "
+        "(carpool.threads).",
     )
     max_torch_threads: int | None = Field(
         default=None,
         ge=1,
         le=256,
         description="thread_policy idle_cores: the most threads a pass may take. Default: the "
-        "cores this process may run on (CPU affinity, capped by a cgroup CPU quota).",
+        "cores this process may run on (CPU affinity, capped by its cgroup's CPU quota, v2 "
+        "cpu.max or v1 cpu.cfs_quota_us, rounded down).",
     )
     max_ongoing_requests: int | None = Field(
         default=None,
@@ -314,19 +319,30 @@ class IngressConfig(StrictModel):
         default=5,
         ge=0,
         le=19,
-        description="Nice levels this ingress runs below the model replicas. Where they share "
-        "cores, refusing and parsing the excess of an overload then only takes CPU the "
-        "models leave idle; with idle cores it changes nothing. 0: same priority.",
+        description="Nice levels this ingress's own process runs below where Ray started it "
+        "(every thread; no privilege needed, and the process ends with the replica). Linux "
+        "shares a busy core by weight, not strict priority: 5 levels leave the ingress about a "
+        "third of a model thread's share (two fifths from Ray's default worker niceness 15, "
+        "as 19 is the floor), so where it shares cores with model replicas, parsing and "
+        "refusing an overload's excess yields to them without starving; with idle cores it "
+        "changes nothing. The default holds on a cluster too: on a head node with only "
+        "ingresses (serve-gpu.yaml) they are all lowered alike, so nothing changes among them, "
+        "and Ray's workers beside them (Serve's proxy and controller, the router) go first "
+        "only while the head's cores are saturated. 0: Ray's level.",
     )
     proxy_cpu_niceness: int = Field(
-        default=5,
+        default=0,
         ge=0,
         le=19,
-        description="Nice levels the Serve HTTP proxy on this ingress's node runs below the "
-        "model replicas (set by the ingress, re-checked while it refuses work). The proxy "
-        "parses and answers every request an overload brings (~6 ms of CPU per refusal "
-        "measured on 2 cores); lowered, it only takes CPU the models leave. 0: leave Ray's "
-        "proxy as Ray starts it.",
+        description="Opt-in, off (0) by default and in every shipped config. Nice levels the "
+        "Serve HTTP proxy on this ingress's node runs below the model replicas (found by its "
+        "process title, set by the ingress, re-checked while it refuses work). This reaches "
+        "into a process carpool does not own: the proxy is shared by every Serve app on the "
+        "node and answers the health checks Serve acts on, and a lowered priority cannot be "
+        "raised again without CAP_SYS_NICE (only restarting the proxy undoes it). For a "
+        "dedicated single-node box only, where the proxy's ~6 ms of CPU per refusal under "
+        "overload (measured on 2 cores) is taken from the models; logs a warning once per "
+        "process when set. 0: leave Ray's proxy as Ray starts it.",
     )
 
     @model_validator(mode="before")

@@ -10,8 +10,6 @@ import asyncio
 import contextvars
 import logging
 import math
-import os
-import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any, TypeVar
@@ -35,6 +33,7 @@ from carpool.auth import ApiKeyAuth as ApiKeyAuth
 from carpool.auth import load_api_keys as load_api_keys
 from carpool.config import IngressConfig
 from carpool.errors import RequestError, find_request_error
+from carpool.priority import apply_ingress_priority, recheck_proxy_priority
 from carpool.refusals import RefusalMemory, call_refusable
 from carpool.topology import live_replicas
 
@@ -286,120 +285,9 @@ class RequestControlsMiddleware:
 
 def apply_ingress_defaults(api: FastAPI, ingress: IngressConfig) -> None:
     """Called by an ingress when it starts, with its IngressConfig."""
-    global _proxy_levels
     api.state.controls.default_deadline_ms = ingress.default_deadline_ms
-    if ingress.cpu_niceness:
-        lower_cpu_priority(ingress.cpu_niceness)
-    _proxy_levels = ingress.proxy_cpu_niceness
-    if ingress.proxy_cpu_niceness:
-        lower_proxy_priority(ingress.proxy_cpu_niceness)
-
-
-_base_niceness: int | None = None
-
-
-def lower_cpu_priority(levels: int) -> int | None:
-    """Runs every thread of this process ``levels`` nice levels below where it started.
-
-    Linux keeps a niceness per thread and a new thread inherits its creator's, so each
-    existing thread is set (Ray's and gRPC's too: all of an ingress's work is the excess an
-    overload brings). Raising niceness needs no privilege. Idempotent: a second call sets
-    the same level. Returns the niceness set, or None where the OS refused.
-    """
-    global _base_niceness
-    try:
-        if _base_niceness is None:
-            _base_niceness = os.getpriority(os.PRIO_PROCESS, 0)
-        target = min(19, _base_niceness + levels)
-        tids = [int(t) for t in os.listdir("/proc/self/task")] if os.path.isdir("/proc") else [0]
-        for tid in tids:
-            try:
-                os.setpriority(os.PRIO_PROCESS, tid, target)
-            except ProcessLookupError:  # the thread ended meanwhile
-                continue
-    except OSError as exc:
-        logger.warning("could not lower this ingress's CPU priority (%s); it runs as is", exc)
-        return None
-    return target
-
-
-# Nice levels for Serve's HTTP proxy on this node (IngressConfig.proxy_cpu_niceness), and
-# when they were last applied: a restarted proxy starts at Ray's level again.
-_proxy_levels = 0
-_proxy_checked_at = -math.inf
-# Overload refusals re-check the proxy at most this often (a /proc scan costs ~1-5 ms).
-PROXY_RECHECK_S = 10.0
-PROXY_TITLE = b"ray::ProxyActor"
-
-
-def _parent_pid(proc: str, pid: str) -> int | None:
-    with open(f"{proc}/{pid}/status") as f:
-        for line in f:
-            if line.startswith("PPid:"):
-                return int(line.split()[1])
-    return None
-
-
-def serve_proxy_pids(proc: str = "/proc", parent: int | None = None) -> list[int]:
-    """PIDs of Ray Serve HTTP proxies of this node's raylet (``parent``) run by this user.
-
-    Ray's raylet starts every worker of its node, the proxy and this replica alike, so the
-    proxy of this cluster is the one that shares this process's parent; another cluster on
-    the same machine (a second ``serve run``, a benchmark) is left alone.
-    """
-    parent = os.getppid() if parent is None else parent
-    pids = []
-    uid = os.getuid()
-    for entry in os.listdir(proc):
-        if not entry.isdigit():
-            continue
-        try:
-            if os.stat(f"{proc}/{entry}").st_uid != uid:
-                continue
-            with open(f"{proc}/{entry}/cmdline", "rb") as f:
-                title = f.read(64)
-            if title.startswith(PROXY_TITLE) and _parent_pid(proc, entry) == parent:
-                pids.append(int(entry))
-        except OSError:  # exited meanwhile, or not ours to read
-            continue
-    return pids
-
-
-def lower_proxy_priority(levels: int, parent: int | None = None) -> list[int]:
-    """Runs Serve's HTTP proxy on this node ``levels`` nice levels below the model replicas.
-
-    The proxy parses every request an overload brings and answers each refusal: measured at
-    10x capacity on 2 cores, ~6 ms of CPU per refused request, half a core at the same
-    priority as the model replica computing beside it, which lost a quarter of its core.
-    Lowered, it only takes CPU the models leave; with an idle core it changes nothing.
-    The level is relative to where this process started (Ray starts every worker, the proxy
-    and the models alike, at the same niceness). A thread is never raised: only its owner or
-    a privileged user may do that. ``parent``: the raylet (default: this process's parent).
-    Returns the PIDs changed.
-    """
-    global _proxy_checked_at
-    _proxy_checked_at = time.monotonic()
-    try:
-        base = _base_niceness if _base_niceness is not None else os.getpriority(os.PRIO_PROCESS, 0)
-        target = min(19, base + levels)
-        changed = []
-        for pid in serve_proxy_pids(parent=parent):
-            try:
-                for tid in os.listdir(f"/proc/{pid}/task"):
-                    if os.getpriority(os.PRIO_PROCESS, int(tid)) < target:
-                        os.setpriority(os.PRIO_PROCESS, int(tid), target)
-                changed.append(pid)
-            except (ProcessLookupError, FileNotFoundError):  # exited meanwhile
-                continue
-    except OSError as exc:
-        logger.warning("could not lower the Serve proxy's CPU priority (%s); it runs as is", exc)
-        return []
-    return changed
-
-
-def _recheck_proxy_priority() -> None:
-    if _proxy_levels and time.monotonic() - _proxy_checked_at >= PROXY_RECHECK_S:
-        lower_proxy_priority(_proxy_levels)
+    # Its own process's priority; Ray's proxy only where proxy_cpu_niceness opts in.
+    apply_ingress_priority(ingress.cpu_niceness, ingress.proxy_cpu_niceness)
 
 
 def make_api(title: str, description: str, max_body_bytes: int) -> FastAPI:
@@ -537,7 +425,7 @@ async def _held(error: RequestError) -> RequestError:
     """
     if error.status_code != 503 or error.code != "overloaded" or not error.retry_after_s:
         return error
-    _recheck_proxy_priority()  # a proxy restarted since would pay for the overload at full priority
+    recheck_proxy_priority()  # an opted-in proxy restarted since would run at full priority
     hold = min(error.retry_after_s, MAX_REFUSAL_HOLD_S)
     remaining = current_controls().remaining_s()
     if remaining is not None:

@@ -1,17 +1,22 @@
-"""An ingress lowers the CPU priority of every thread it has, once, without privileges."""
+"""An ingress lowers the CPU priority of every thread it has, once, without privileges; Ray's
+Serve proxy, a process carpool does not own, only where a config opts in, and loudly."""
 
 from __future__ import annotations
 
 import json
+import logging
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+import yaml
+
+ROOT = Path(__file__).resolve().parents[2]
 
 SCRIPT = """
 import json, os, threading
-from carpool.http import lower_cpu_priority
+from carpool.priority import lower_cpu_priority
 
 def niceness():
     out = {}
@@ -82,12 +87,12 @@ def test_the_serve_proxy_on_this_node_runs_lower_and_nothing_else_does(
 ) -> None:
     import os
 
-    from carpool import http
-    from carpool.http import lower_proxy_priority
+    from carpool import priority
+    from carpool.priority import lower_proxy_priority
 
     # Another test may have built an ingress in this process, which lowered the process and
     # recorded where it started; here "where Ray started the workers" is this process now.
-    monkeypatch.setattr(http, "_base_niceness", None)
+    monkeypatch.setattr(priority, "_base_niceness", None)
 
     proxy = _spawn("ray::ProxyActor")
     bystander = _spawn("ray::ServeReplica:embed:embedder")
@@ -108,3 +113,87 @@ def test_the_serve_proxy_on_this_node_runs_lower_and_nothing_else_does(
         for child in (proxy, bystander):
             child.kill()
             child.wait()
+
+
+@pytest.fixture
+def calls(monkeypatch: pytest.MonkeyPatch) -> dict[str, list[int]]:
+    """Records what an ingress would renice instead of renicing the test runner (and a fresh
+    process's state: no proxy levels, no warning given yet)."""
+    from carpool import priority
+
+    seen: dict[str, list[int]] = {"own": [], "proxy": []}
+    monkeypatch.setattr(priority, "lower_cpu_priority", lambda n: seen["own"].append(n))
+
+    def proxy(levels: int, parent: int | None = None) -> list[int]:
+        seen["proxy"].append(levels)
+        return [4242]
+
+    monkeypatch.setattr(priority, "lower_proxy_priority", proxy)
+    monkeypatch.setattr(priority, "_proxy_levels", 0)
+    monkeypatch.setattr(priority, "_proxy_warned", False)
+    monkeypatch.setattr(priority, "_proxy_checked_at", float("-inf"))
+    return seen
+
+
+def test_by_default_an_ingress_lowers_itself_and_leaves_rays_proxy_alone(
+    calls: dict[str, list[int]], caplog: pytest.LogCaptureFixture
+) -> None:
+    from carpool.config import IngressConfig
+    from carpool.http import apply_ingress_defaults, make_api
+    from carpool.priority import recheck_proxy_priority
+
+    ingress = IngressConfig()
+    assert ingress.proxy_cpu_niceness == 0
+    assert ingress.cpu_niceness == 5  # its own process: kept (see the field's description)
+    api = make_api("test", "an ingress", 1024)
+    with caplog.at_level(logging.WARNING, logger="carpool"):
+        apply_ingress_defaults(api, ingress)
+        recheck_proxy_priority()  # an overload refusal: still nothing reaches the proxy
+    assert calls == {"own": [5], "proxy": []}
+    assert "PROXY" not in caplog.text
+
+
+def test_an_opted_in_proxy_renice_warns_loudly_once_per_process(
+    calls: dict[str, list[int]], caplog: pytest.LogCaptureFixture
+) -> None:
+    from carpool.config import IngressConfig
+    from carpool.priority import apply_ingress_priority
+
+    ingress = IngressConfig(cpu_niceness=0, proxy_cpu_niceness=3)
+    with caplog.at_level(logging.WARNING, logger="carpool"):
+        apply_ingress_priority(ingress.cpu_niceness, ingress.proxy_cpu_niceness)
+        apply_ingress_priority(ingress.cpu_niceness, ingress.proxy_cpu_niceness)
+    assert calls == {"own": [], "proxy": [3, 3]}
+    warnings = [r for r in caplog.records if "RENICING RAY SERVE'S HTTP PROXY" in r.message]
+    assert len(warnings) == 1
+    assert "4242" in warnings[0].message and "does not own" in warnings[0].message
+    assert "proxy_cpu_niceness: 0" in warnings[0].message
+
+
+def _applications(path: str) -> list[dict]:
+    for doc in yaml.safe_load_all((ROOT / path).read_text()):
+        if doc and doc.get("kind") == "RayService":  # its serve config is a YAML string
+            return yaml.safe_load(doc["spec"]["serveConfigV2"])["applications"]
+        if doc and "applications" in doc:
+            return doc["applications"]
+    raise AssertionError(f"{path} has no serve applications")
+
+
+@pytest.mark.parametrize(
+    "path",
+    [
+        "serve.yaml",
+        "serve-gpu.yaml",
+        "docs/kuberay/rayservice.yaml",
+        "docs/kuberay/rayservice-gpu.yaml",
+    ],
+)
+def test_no_shipped_config_renices_rays_proxy(path: str) -> None:
+    from carpool.config import IngressConfig
+
+    apps = _applications(path)
+    assert apps
+    for app in apps:
+        # As the ingress will run it: what the config sets, else the default.
+        ingress = IngressConfig.model_validate((app.get("args") or {}).get("ingress") or {})
+        assert ingress.proxy_cpu_niceness == 0, f"{path}: {app['name']} renices Ray's proxy"
