@@ -52,7 +52,10 @@ def _cgroup_paths(root: Path) -> dict[str, str]:
     except OSError:
         return paths
     for line in lines:
-        _, controllers, path = line.split(":", 2)
+        fields = line.split(":", 2)
+        if len(fields) != 3:  # not a hierarchy line: nothing to learn from it
+            continue
+        _, controllers, path = fields
         for controller in controllers.split(",") if controllers else [""]:
             paths[controller] = path.lstrip("/")
     return paths
@@ -96,14 +99,20 @@ def cgroup_quota_cores(root: Path = Path("/")) -> float | None:
     return None
 
 
-def usable_cores(root: Path = Path("/")) -> int:
-    """Cores this process may run on: its CPU affinity, capped by its cgroup's CPU quota (v2
-    or v1). A quota of 1.5 cores gives 1: a second thread would be throttled half the time,
-    and a pass waits for its slowest thread."""
-    try:
-        cores = len(os.sched_getaffinity(0))
-    except (AttributeError, OSError):
-        cores = os.cpu_count() or 1
+def usable_cores(root: Path = Path("/"), affinity: int | None = None) -> int:
+    """Cores this process may run on: its CPU affinity (``affinity``: how many; default this
+    process's), capped by its cgroup's CPU quota (v2 or v1), rounded down. A quota of 1.5
+    cores on a 16-core node gives 1, not 2: two busy threads would spend 2 CPU-seconds a
+    second against 1.5 allowed, so the kernel would stop the whole container (its other
+    processes too) for a quarter of every CFS period, and a pass waits for its slowest
+    thread; one thread is never throttled and leaves the half core to tokenizing and Ray."""
+    if affinity is not None:
+        cores = affinity
+    else:
+        try:
+            cores = len(os.sched_getaffinity(0))
+        except (AttributeError, OSError):
+            cores = os.cpu_count() or 1
     quota = cgroup_quota_cores(root)
     if quota is not None:
         cores = min(cores, max(1, math.floor(quota)))

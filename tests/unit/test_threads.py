@@ -161,6 +161,97 @@ def test_the_sampler_reads_this_containers_usage_not_the_nodes(tmp_path: Path) -
     assert sample is not None and sample.busy_s == pytest.approx(4.0)
 
 
+def test_a_quota_of_one_and_a_half_cores_on_a_16_core_node_gives_one_thread(
+    tmp_path: Path,
+) -> None:
+    """Rounded down (usable_cores says why): 2 threads would be throttled a quarter of the time."""
+    v2 = _cgroup_v2(tmp_path / "v2", "150000 100000", 0)
+    v1 = _cgroup_v1(tmp_path / "v1", quota_us=150_000, usage_ns=0)
+    assert usable_cores(v2, affinity=16) == usable_cores(v1, affinity=16) == 1
+    assert usable_cores(_cgroup_v2(tmp_path / "w", "350000 100000", 0), affinity=16) == 3
+    assert usable_cores(_cgroup_v2(tmp_path / "x", "50000 100000", 0), affinity=16) == 1
+    assert usable_cores(_cgroup_v2(tmp_path / "y", "max 100000", 0), affinity=16) == 16
+    assert usable_cores(_cgroup_v1(tmp_path / "z", quota_us=-1, usage_ns=0), affinity=16) == 16
+    # The affinity caps a loose quota.
+    assert usable_cores(_cgroup_v2(tmp_path / "q", "800000 100000", 0), affinity=4) == 4
+
+
+def test_v1_with_cpu_and_cpuacct_mounted_apart_reads_both(tmp_path: Path) -> None:
+    """As on hosts that mount each v1 controller alone (/sys/fs/cgroup/cpu, .../cpuacct)."""
+    (tmp_path / "proc/self").mkdir(parents=True)
+    (tmp_path / "proc/self/cgroup").write_text("3:cpuacct:/job\n2:cpu:/job\n1:name=systemd:/\n")
+    for controller in ("cpu", "cpuacct"):
+        (tmp_path / "sys/fs/cgroup" / controller / "job").mkdir(parents=True)
+    cpu = tmp_path / "sys/fs/cgroup/cpu/job"
+    (cpu / "cpu.cfs_quota_us").write_text("250000\n")
+    (cpu / "cpu.cfs_period_us").write_text("100000\n")
+    (tmp_path / "sys/fs/cgroup/cpuacct/job/cpuacct.usage").write_text("7000000000\n")
+    assert cgroup_quota_cores(tmp_path) == pytest.approx(2.5)
+    sampler = CgroupSampler(tmp_path)
+    sample = sampler.sample()
+    assert sample is not None and sample.busy_s == pytest.approx(7.0)
+    assert sampler.cores == min(2, len(os.sched_getaffinity(0)))
+
+
+def test_a_garbled_cgroup_file_is_not_fatal(tmp_path: Path) -> None:
+    (tmp_path / "proc/self").mkdir(parents=True)
+    (tmp_path / "proc/self/cgroup").write_text("garbage\n\n")
+    assert cgroup_quota_cores(tmp_path) is None
+    assert CgroupSampler(tmp_path, cores=2).sample() is None
+
+
+@pytest.mark.parametrize("version", ["v2", "v1"])
+def test_this_cgroups_usage_drives_idleness_not_the_nodes(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, version: str
+) -> None:
+    """The node is saturated by other tenants (its /proc/stat and root cgroup say so); this
+    container's own counter decides: idle, it takes its quota; busy, it steps back."""
+    import types
+
+    from carpool import threads
+
+    if version == "v2":
+        root = _cgroup_v2(tmp_path, "400000 100000", 0)
+        counter = root / "sys/fs/cgroup/pod/replica/cpu.stat"
+
+        def write(used_s: float) -> None:
+            counter.write_text(f"usage_usec {round(used_s * 1e6)}\n")
+
+    else:
+        root = _cgroup_v1(tmp_path, quota_us=400_000, usage_ns=0)
+        counter = root / "sys/fs/cgroup/cpu,cpuacct/docker/abc/cpuacct.usage"
+
+        def write(used_s: float) -> None:
+            counter.write_text(f"{round(used_s * 1e9)}\n")
+
+    (root / "proc/stat").write_text("cpu0 99999 0 99999 0 0 0 0 0 0 0\n")  # every core busy
+    clock = {"wall": 100.0, "own": 10.0, "cgroup": 50.0}
+    monkeypatch.setattr(
+        threads,
+        "time",
+        types.SimpleNamespace(monotonic=lambda: clock["wall"], process_time=lambda: clock["own"]),
+    )
+
+    def advance(others_cores: float, own_cores: float) -> None:
+        clock["wall"] += 1.0
+        clock["own"] += own_cores
+        clock["cgroup"] += own_cores + others_cores
+        write(clock["cgroup"])
+
+    write(clock["cgroup"])
+    sampler = CgroupSampler(root, cores=usable_cores(root, affinity=16))
+    assert sampler.cores == 4  # the quota, not the node's 16
+    policy = make_thread_policy("idle_cores", 1, sampler=sampler)
+    assert isinstance(policy, IdleCoreThreads)
+    assert policy.threads() == 1  # nothing measured yet
+    advance(others_cores=0.0, own_cores=1.0)  # alone in the container
+    assert policy.threads() == 4
+    advance(others_cores=2.0, own_cores=2.0)  # another replica of the container computes
+    assert policy.threads() == 2 and policy.others_cores == pytest.approx(2.0)
+    advance(others_cores=0.2, own_cores=2.0)  # Ray's own bits: still room
+    assert policy.threads() == 4
+
+
 def test_idle_cores_without_cgroup_counters_runs_the_reservation(tmp_path: Path) -> None:
     (tmp_path / "proc/self").mkdir(parents=True)
     (tmp_path / "proc/self/cgroup").write_text("0::/\n")
