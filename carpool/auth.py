@@ -37,6 +37,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+from carpool.topology import replica_context
+
 logger = logging.getLogger(__name__)
 
 API_KEYS_ENV = "CARPOOL_API_KEYS"
@@ -127,11 +129,7 @@ def default_max_concurrency(n_keys: int, replica_capacity: int | None) -> int | 
 
 def replica_capacity() -> int | None:
     """This Serve replica's ``max_ongoing_requests``; None outside a Serve replica."""
-    try:
-        from ray.serve.context import _get_internal_replica_context
-    except ImportError:
-        return None
-    context = _get_internal_replica_context()
+    context = replica_context()
     if context is None:
         return None
     return getattr(context._deployment_config, "max_ongoing_requests", None)

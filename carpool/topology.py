@@ -121,13 +121,18 @@ def live_replicas() -> LiveReplicas:
     return _shared
 
 
-def current_replica() -> tuple[str, str] | None:
-    """(``app/deployment``, replica id) of the Serve replica this code runs in, else None."""
+def replica_context() -> Any:
+    """Serve's context of the replica this code runs in; None outside one."""
     try:
         from ray.serve.context import _get_internal_replica_context
     except ImportError:
         return None
-    context = _get_internal_replica_context()
+    return _get_internal_replica_context()
+
+
+def current_replica() -> tuple[str, str] | None:
+    """(``app/deployment``, replica id) of the Serve replica this code runs in, else None."""
+    context = replica_context()
     if context is None:
         return None
     replica_id = context.replica_id

@@ -23,7 +23,6 @@ import glob
 import json
 import os
 import re
-import socket
 import sys
 import tempfile
 import threading
@@ -43,29 +42,10 @@ ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 
 from tests.cluster.overlay import load_overlaid  # noqa: E402
+from tests.integration.multinode_scenario import free_port, wait_for  # noqa: E402
 
 RECOVERY_LIMIT_S = 180.0
 HTTP_TIMEOUT_S = 240.0
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def wait_for(check: Any, timeout_s: float, what: str) -> Any:
-    deadline = time.monotonic() + timeout_s
-    last: Exception | None = None
-    while time.monotonic() < deadline:
-        try:
-            result = check()
-            if result:
-                return result
-        except Exception as exc:
-            last = exc
-        time.sleep(1)
-    raise TimeoutError(f"{what} not reached in {timeout_s}s (last error: {last})")
 
 
 def node_resources(node_type: dict) -> dict[str, Any]:
