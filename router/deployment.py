@@ -478,6 +478,7 @@ class RouterServer:
             "predictor_observations": self.predictor.observations,
             "learner_observations": self.learner.observations,
             "in_flight": {k: g.in_flight for k, g in self.gates.items()},
+            "in_flight_caps": {k: g.limit for k, g in self.gates.items()},
             "waiting": {k: len(g.queue) for k, g in self.gates.items()},
         }
 
