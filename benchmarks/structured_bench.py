@@ -1,6 +1,6 @@
 """What structured output costs: grammar compile time and decode time per token.
 
-``python -m carpool.generation.structured_bench [--model packaged:SmolLM2-135M-Instruct]``
+``python -m benchmarks.structured_bench [--model packaged:SmolLM2-135M-Instruct]``
 
 Runs carpool's continuous engine in-process on the model, greedy, first without and then
 with a JSON-schema constraint on every sequence (same prompts, same number of tokens), and
