@@ -61,7 +61,8 @@ from deployments.generator import (
     build_generator_deployment,
 )
 from pipelines.handler import PipelineHandler
-from router.deployment import RouterConfig, build_router_deployment
+from router.deployment import build_router_deployment
+from router.server import RouterConfig
 
 logger = logging.getLogger(__name__)
 

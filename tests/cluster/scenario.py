@@ -147,7 +147,7 @@ def main() -> int:
     from ray.cluster_utils import Cluster
     from ray.util.state import list_actors
 
-    from router.deployment import share_of_cap
+    from router.server import share_of_cap
     from tests.conftest import deploy_declaratively
     from tests.factories import build_tiny_models
 

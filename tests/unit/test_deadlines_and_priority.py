@@ -24,8 +24,8 @@ from carpool.generation.scheduler import PriorityQueue
 from carpool.http import call_backend, current_controls, make_api, refuse_if_overloaded
 from carpool.refusals import RefusalMemory
 from deployments.embedder import EmbedderConfig, EmbeddingServer
-from router.deployment import _Gate
 from router.lanes import ShortestFirstQueue
+from router.server import _Gate
 
 
 class _CountingModel:

@@ -8,7 +8,7 @@ from typing import Any
 
 import pytest
 
-from router.deployment import RouterConfig, RouterServer
+from router.server import RouterConfig, RouterServer
 
 
 class FakeGenerator:
@@ -96,7 +96,11 @@ def test_overflow_serves_on_small_when_large_is_backed_up() -> None:
 
 def test_short_requests_overtake_long_ones_waiting_in_the_same_model() -> None:
     small = FakeGenerator("small", delay=0.05)
-    config = {"policy": "cascade", "max_in_flight_per_replica": {"small": 1}, "escalate_on_length": False}
+    config = {
+        "policy": "cascade",
+        "max_in_flight_per_replica": {"small": 1},
+        "escalate_on_length": False,
+    }
     router = RouterServer(config, {"small": small})
 
     async def main() -> None:
@@ -143,7 +147,11 @@ def test_single_fifo_lane_keeps_arrival_order() -> None:
 def test_single_fifo_lane_ignores_predicted_length_at_default_aging() -> None:
     # The benchmarks' baseline: without lanes, a short request arriving last is served last.
     small = FakeGenerator("small", delay=0.05)
-    config = {"policy": "cascade", "max_in_flight_per_replica": {"small": 1}, "lanes_enabled": False}
+    config = {
+        "policy": "cascade",
+        "max_in_flight_per_replica": {"small": 1},
+        "lanes_enabled": False,
+    }
     router = RouterServer({**config, "escalate_on_length": False}, {"small": small})
 
     async def main() -> None:

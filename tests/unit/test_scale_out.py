@@ -14,9 +14,9 @@ from pydantic import ValidationError
 from carpool.errors import RequestError, find_request_error
 from carpool.refusals import RefusalMemory, call_refusable
 from carpool.topology import LiveReplicas, parse_serve_details
-from router.deployment import RouterConfig, RouterServer, share_of_cap
 from router.features import extract_features
 from router.length import LengthPredictor, PredictorStore
+from router.server import RouterConfig, RouterServer, share_of_cap
 from tests.unit.test_router_server import FakeGenerator, _call
 
 

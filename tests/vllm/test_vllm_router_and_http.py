@@ -15,7 +15,7 @@ from typing import Any
 import httpx
 import pytest
 
-from router.deployment import RouterServer
+from router.server import RouterServer
 from tests.vllm.conftest import generator_config
 
 pytest.importorskip("vllm", reason="vLLM is not installed here: make test-vllm")
