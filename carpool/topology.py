@@ -45,7 +45,11 @@ def parse_serve_details(details: dict[str, Any]) -> dict[str, DeploymentView]:
 
 def fetch_from_serve() -> dict[str, DeploymentView]:
     """Serve's controller's view of every deployment (a blocking call: run it in a thread)."""
+    import ray
     from ray.serve.context import _get_global_client
+
+    if not ray.is_initialized():  # Serve's client would start a Ray of its own here
+        raise RuntimeError("not connected to a Ray cluster")
 
     client = _get_global_client()
     return parse_serve_details(client.get_serve_details())

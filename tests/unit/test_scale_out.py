@@ -239,3 +239,11 @@ def test_router_replicas_merge_what_their_predictors_learn() -> None:
     sync(one)
     assert store.predictor.observations == 61
     np.testing.assert_allclose(store.predictor._moment, alone._moment)
+
+
+def test_replica_counts_outside_ray_are_unknown_and_start_no_cluster() -> None:
+    import ray
+
+    assert not ray.is_initialized()
+    assert LiveReplicas().count("generate/small") is None
+    assert not ray.is_initialized()
