@@ -241,9 +241,17 @@ def test_router_replicas_merge_what_their_predictors_learn() -> None:
     np.testing.assert_allclose(store.predictor._moment, alone._moment)
 
 
-def test_replica_counts_outside_ray_are_unknown_and_start_no_cluster() -> None:
+def test_replica_counts_outside_ray_are_unknown_and_start_no_cluster(monkeypatch) -> None:
     import ray
+    from ray.serve import context
 
-    assert not ray.is_initialized()
+    connects = []
+
+    def connect(*args: Any, **kwargs: Any) -> None:
+        connects.append(1)  # Serve's client would ray.init() a cluster of its own here
+        raise RuntimeError("no cluster")
+
+    monkeypatch.setattr(ray, "is_initialized", lambda: False)
+    monkeypatch.setattr(context, "_connect", connect)
     assert LiveReplicas().count("generate/small") is None
-    assert not ray.is_initialized()
+    assert connects == []
