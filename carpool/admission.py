@@ -80,6 +80,21 @@ async def await_or_cancel(call: Awaitable[T]) -> T:
         raise
 
 
+async def open_stream(handle: Any, call: dict[str, Any]) -> tuple[Any, Any]:
+    """Starts a streamed call on a generator handle and awaits its first event.
+
+    The first event comes after the replica validated and admitted the request, so a refusal
+    or bad input surfaces here, before any token, where the caller may still retry or answer
+    a plain error. The stream is cancelled if that first event fails or the caller leaves.
+    """
+    events = handle.options(stream=True).stream.remote(call)
+    try:
+        return events, await events.__anext__()
+    except BaseException:
+        events.cancel()
+        raise
+
+
 def deadline_exceeded(stage: str) -> RequestError:
     return RequestError(
         504,

@@ -19,6 +19,7 @@ from ray import serve
 from ray.serve.deployment import Application
 from ray.serve.handle import DeploymentHandle
 
+from carpool.admission import open_stream
 from carpool.auth import health_body
 from carpool.config import IngressConfig, ModelSourceConfig, StrictModel
 from carpool.errors import RequestError, find_request_error
@@ -109,15 +110,6 @@ api = make_api(
 
 def sse(payload: Any) -> str:
     return f"data: {json.dumps(payload, separators=(',', ':'))}\n\n"
-
-
-async def _open_stream(handle: DeploymentHandle, call: dict[str, Any]) -> tuple[Any, Any]:
-    events = handle.options(stream=True).stream.remote(call)
-    try:
-        return events, await events.__anext__()
-    except BaseException:
-        events.cancel()
-        raise
 
 
 def decision_headers(record: dict[str, Any] | None) -> dict[str, str]:
@@ -455,7 +447,7 @@ class GenerateHandler(PipelineHandler):
         # The first event comes after the replica validated and queued the request, so bad
         # input still gets a plain 4xx response rather than an error inside a 200 stream, and
         # a replica's overload refusal is tried on another replica before any token exists.
-        events, first = await call_idempotent(tier, lambda: _open_stream(handle, call))
+        events, first = await call_idempotent(tier, lambda: open_stream(handle, call))
         headers = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
         headers.update(decision_headers(first.get("carpool")))
         return ClosingStreamingResponse(

@@ -16,7 +16,7 @@ import os
 from collections.abc import AsyncIterator
 from typing import Any
 
-from carpool.admission import await_or_cancel
+from carpool.admission import await_or_cancel, open_stream
 from carpool.refusals import LiveCount, RefusalMemory, call_refusable, no_live_counts
 from router.choice import LARGE, SMALL
 from router.length import PredictorStore
@@ -106,17 +106,9 @@ class _HandleClient:
             self.live,
         )
 
-    async def _open(self, call: dict[str, Any]) -> tuple[Any, dict[str, Any]]:
-        events = self.handle.options(stream=True).stream.remote(call)
-        try:
-            return events, await events.__anext__()
-        except BaseException:
-            events.cancel()
-            raise
-
     async def stream(self, call: dict[str, Any]) -> AsyncIterator[dict[str, Any]]:
         events, first = await call_refusable(
-            lambda: self._open(call),
+            lambda: open_stream(self.handle, call),
             self.refusals,
             call.get("priority") or "interactive",
             self.live,
@@ -151,13 +143,9 @@ class RouterDeployment(RouterServer):
         self._deployments = {SMALL: f"{app}/small", LARGE: f"{app}/large"}
         self._router = f"{app}/{ROUTER_NAME}"
         self._live = live_replicas()
-
-        def live(deployment: str) -> int | None:
-            return self._live.count(deployment)
-
-        clients: dict[str, GeneratorClient] = {SMALL: _HandleClient(small, live)}
+        clients: dict[str, GeneratorClient] = {SMALL: _HandleClient(small, self._live.count)}
         if large is not None:
-            clients[LARGE] = _HandleClient(large, live)
+            clients[LARGE] = _HandleClient(large, self._live.count)
         super().__init__(config, clients, caps=self._cap, share_predictor=True)
         self._small = small
         self.listeners.append(RayRouterMetrics())
