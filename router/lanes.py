@@ -4,6 +4,7 @@ behind long ones.
 A lane maps to a target: its own generator deployment (``target``), or a priority inside a
 shared one. ``ShortestFirstQueue`` is the shared-deployment form: shortest predicted first,
 with aging so that a long request's priority rises the longer it waits and it never starves.
+Its key is ``carpool.aging.aging_key``, the one vLLM's priority scheduler is given too.
 """
 
 from __future__ import annotations
@@ -12,6 +13,8 @@ import heapq
 import itertools
 from dataclasses import dataclass, field
 from typing import Generic, Literal, TypeVar
+
+from carpool.aging import DEFAULT_AGING_TOKENS_PER_S, DEFAULT_TIER_PENALTY_TOKENS, aging_key
 
 T = TypeVar("T")
 
@@ -68,14 +71,15 @@ class _Entry(Generic[T]):
 class ShortestFirstQueue(Generic[T]):
     """Shortest predicted first, with aging, and interactive ahead of batch.
 
-    Score at time t: ``predicted + tier_penalty - aging * (t - arrival)``. Every waiting item
-    ages at the same rate, so the order depends only on ``predicted + tier_penalty +
-    aging * arrival``: a heap keyed once at push time stays correct as time passes. A request
-    that waited ``predicted / aging_tokens_per_s`` seconds is ahead of any newcomer.
+    Keyed by ``carpool.aging.aging_key`` at push time: every waiting item ages at the same
+    rate, so a heap keyed once stays correct as time passes. A request that waited
+    ``predicted / aging_tokens_per_s`` seconds is ahead of any newcomer.
     """
 
     def __init__(
-        self, aging_tokens_per_s: float = 50.0, batch_tier_penalty: float = 1000.0
+        self,
+        aging_tokens_per_s: float = DEFAULT_AGING_TOKENS_PER_S,
+        batch_tier_penalty: float = DEFAULT_TIER_PENALTY_TOKENS,
     ) -> None:
         if aging_tokens_per_s <= 0:
             raise ValueError(
@@ -90,8 +94,8 @@ class ShortestFirstQueue(Generic[T]):
     def push(
         self, item: T, predicted_tokens: float, now: float, tier: Tier = "interactive"
     ) -> None:
-        penalty = self.batch_penalty if tier == "batch" else 0.0
-        key = predicted_tokens + penalty + self.aging * now
+        rank = 1 if tier == "batch" else 0
+        key = aging_key(predicted_tokens, rank, now, self.aging, self.batch_penalty)
         heapq.heappush(self._heap, _Entry(key, next(self._seq), item))
 
     def pop(self) -> T:

@@ -25,6 +25,7 @@ from typing import Any, Literal, Protocol
 from pydantic import Field, model_validator
 
 from carpool.admission import deadline_exceeded
+from carpool.aging import DEFAULT_AGING_TOKENS_PER_S
 from carpool.config import StrictModel
 from carpool.errors import RequestError
 from router.choice import (
@@ -106,7 +107,12 @@ class RouterConfig(StrictModel):
         description="How often each router replica merges its length predictor's learning "
         "with the others'.",
     )
-    aging_tokens_per_s: float = Field(default=50, gt=0, description="Lane aging rate.")
+    aging_tokens_per_s: float = Field(
+        default=DEFAULT_AGING_TOKENS_PER_S,
+        gt=0,
+        description="Lane aging: predicted tokens a waiting request gains per second "
+        "(carpool.aging; ~5 for a CPU model decoding tens of tokens/s).",
+    )
     max_queued_per_lane: int = Field(
         default=256,
         ge=1,

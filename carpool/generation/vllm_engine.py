@@ -50,6 +50,7 @@ from typing import Any, Literal
 
 from pydantic import Field, model_validator
 
+from carpool.aging import DEFAULT_AGING_TOKENS_PER_S, DEFAULT_TIER_PENALTY_TOKENS, aging_key
 from carpool.config import StrictModel
 from carpool.generation.engine import (
     GenerationEngine,
@@ -71,11 +72,6 @@ INSTALL_HINT = (
     "Or set mode: continuous"
 )
 
-# The same aging and tier gap the router's lanes use (router.lanes.ShortestFirstQueue):
-# a request that waited predicted/aging seconds is ahead of any newcomer, and a batch-tier
-# request counts this many predicted tokens longer than an interactive one.
-DEFAULT_AGING_TOKENS_PER_S = 50.0
-DEFAULT_TIER_PENALTY_TOKENS = 1000.0
 # KV cache of a CPU engine when the config gives none (GiB): what the vLLM peer measurements
 # used (benchmarks/peers.py), room for 16 x 2048-token SmolLM2 sequences many times over.
 DEFAULT_CPU_KV_GIB = 4
@@ -504,15 +500,13 @@ def vllm_priority(
 ) -> int:
     """vLLM's integer priority (lower runs first) for carpool's tier and predicted length.
 
-    The score at time t is ``predicted + rank * penalty - aging * (t - arrival)``; every
-    waiting request ages at the same rate, so ordering by ``predicted + rank * penalty +
-    aging * arrival`` (fixed at submission) is the same order at every t, which lets an
-    integer set once stand for an aging priority. ``arrival_s`` is seconds since the engine
+    ``carpool.aging.aging_key``, the router lanes' key, rounded: an integer set once at
+    submission stands for an aging priority. ``arrival_s`` is seconds since the engine
     started, so the numbers stay small; rounding to whole tokens only merges near ties,
     which vLLM then orders by arrival.
     """
     return round(
-        max(predicted_tokens, 0.0) + rank * tier_penalty_tokens + aging_tokens_per_s * arrival_s
+        aging_key(predicted_tokens, rank, arrival_s, aging_tokens_per_s, tier_penalty_tokens)
     )
 
 
