@@ -357,6 +357,9 @@ async def await_within_deadline(stage: str, call: Awaitable[T]) -> T:
     """Awaits a downstream call within the request's deadline; cancels it if the client leaves.
 
     Past the deadline the downstream work is cancelled and the client gets 504.
+    ``asyncio.timeout``, not ``wait_for``: on CPython 3.11 ``wait_for`` returns the result of
+    a call that completes just as the caller is cancelled, losing the cancellation
+    (gh-86296); a timeout scope re-raises it.
     """
     remaining = current_controls().remaining_s()
     try:
@@ -364,17 +367,14 @@ async def await_within_deadline(stage: str, call: Awaitable[T]) -> T:
             return await call
         if remaining <= 0:
             raise asyncio.TimeoutError
-        return await asyncio.wait_for(_as_coroutine(call), remaining)
+        async with asyncio.timeout(remaining):
+            return await call
     except asyncio.TimeoutError:
         _cancel(call)
         raise deadline_exceeded(stage) from None
     except asyncio.CancelledError:
         _cancel(call)
         raise
-
-
-async def _as_coroutine(call: Awaitable[T]) -> T:
-    return await call
 
 
 def _backpressure(exc: BaseException) -> bool:

@@ -203,10 +203,10 @@ class OpenAIIngress:
         try:
             # By name at first use: apps deploy in any order (as the rag app does).
             ingress = serve.get_deployment_handle(pipeline.ingress, app_name=app)
-            # Bounded: a handle to a deleted app waits for replicas that never come.
-            settings = await asyncio.wait_for(
-                call_backend(f"{app} app", ingress.settings.remote()), SETTINGS_TIMEOUT_S
-            )
+            # Bounded: a handle to a deleted app waits for replicas that never come. (A
+            # timeout scope: wait_for can lose a cancellation on CPython 3.11, gh-86296.)
+            async with asyncio.timeout(SETTINGS_TIMEOUT_S):
+                settings = await call_backend(f"{app} app", ingress.settings.remote())
             return pipeline.handler.attach(app, settings)
         except KeyError:
             why = "is not deployed"

@@ -195,8 +195,12 @@ class _Gate:
             if deadline is None:
                 await future
             else:
-                # shield: a timeout must not cancel the future behind leave()'s back.
-                await asyncio.wait_for(asyncio.shield(future), deadline - time.time())
+                # shield: a timeout must not cancel the future behind leave()'s back. A
+                # timeout scope, not wait_for: on CPython 3.11 wait_for returns normally when
+                # the slot is granted just as the caller is cancelled (gh-86296), and the
+                # cancelled request would then generate anyway.
+                async with asyncio.timeout(deadline - time.time()):
+                    await asyncio.shield(future)
         except (asyncio.CancelledError, asyncio.TimeoutError) as exc:
             if future.done() and not future.cancelled():
                 self.leave(predicted)  # admitted just as the caller left: give the slot back
