@@ -1,0 +1,31 @@
+"""carpool's digital twin: cost profiles measured on real hardware (and, later, a simulator).
+
+A cost profile says what a forward pass costs on one machine, per model the serve config
+serves: for encoders a pass-cost model in padded tokens, for generators the cost of a prefill
+step by prompt tokens and of a decode step by batch size and context, plus KV bytes per token.
+``python -m carpool.twin profile`` measures one (``carpool.twin.measure``); the file format,
+its fits and its provenance rules live in ``carpool.twin.profile``. Nothing here imports Ray,
+Serve, FastAPI or pydantic: a profile is measured on a bare GPU machine with torch alone.
+"""
+
+from carpool.twin.profile import (
+    SCHEMA_VERSION,
+    ProfileError,
+    fit_line,
+    fit_terms,
+    load_profile,
+    predict_ms,
+    save_profile,
+    validate_profile,
+)
+
+__all__ = [
+    "SCHEMA_VERSION",
+    "ProfileError",
+    "fit_line",
+    "fit_terms",
+    "load_profile",
+    "predict_ms",
+    "save_profile",
+    "validate_profile",
+]
