@@ -67,9 +67,10 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from carpool.generation.engine import GenSequence, TokenizerInfo, make_engine
+    from carpool.generation.factory import make_engine
     from carpool.generation.sampling import SamplingParams
     from carpool.generation.scheduler import SchedulerLimits
+    from carpool.generation.sequence import GenSequence, TokenizerInfo
     from carpool.generation.structured import ConstraintCompiler, OutputConstraint
     from carpool.models import resolve_model_source
 

@@ -421,3 +421,55 @@ def make_admission_policy(
     if name == "standing":
         return StandingQueueAdmission(limits, cost)
     raise ValueError(f"unknown admission policy {name!r}; choose one of {ADMISSION_POLICIES}")
+
+
+@dataclass(frozen=True)
+class SlotQueue:
+    """A generator's waiting line for engine slots, as admission sees it."""
+
+    waiting: int  # sequences submitted but not yet running
+    mean_slot_s: float  # how long a sequence holds its slot, averaged (0 until one finished)
+    slots: int  # max_num_seqs
+
+
+def slot_refusal(
+    model: str,
+    queue: SlotQueue,
+    controls: RequestControls,
+    max_waiting: int,
+    max_queue_delay_ms: float,
+    batch_tier_share: float,
+) -> RequestError | None:
+    """A generator's admission, decided before any tokenizing or grammar compiling.
+
+    Slots free at about ``slots / mean_slot_s`` per second, so a request queued behind
+    ``waiting`` others waits about ``waiting * mean_slot_s / slots``. Refuses with 504 when
+    that alone passes the request's deadline, with 503 + Retry-After when the queue is past
+    its bound (a share of it for the batch tier); else None.
+    """
+    controls.check(f"{model} generator")
+    share = batch_tier_share if controls.priority == "batch" else 1.0
+    bound = int(max_waiting * share)
+    wait_ms = 0.0
+    if queue.waiting > 0 and queue.mean_slot_s > 0:
+        wait_ms = queue.waiting * queue.mean_slot_s / max(queue.slots, 1) * 1000
+    remaining = controls.remaining_s()
+    if remaining is not None and wait_ms > remaining * 1000:
+        return RequestError(
+            504,
+            f"model {model!r} expects a {wait_ms:.0f} ms wait for a slot, more than the "
+            f"{remaining * 1000:.0f} ms left of this request's deadline; send a larger "
+            f"{DEADLINE_HEADER} budget or retry later",
+            code="deadline_unmeetable",
+        )
+    if queue.waiting >= bound or wait_ms > max_queue_delay_ms * share:
+        return RequestError(
+            503,
+            f"model {model!r} has {queue.waiting} requests waiting for a slot, about "
+            f"{wait_ms:.0f} ms of waiting (limits {bound} requests, "
+            f"{max_queue_delay_ms * share:.0f} ms for {controls.priority} requests); retry "
+            "after the Retry-After delay",
+            code="overloaded",
+            retry_after_s=max(queue.mean_slot_s / max(queue.slots, 1), 1.0),
+        )
+    return None

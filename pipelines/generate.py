@@ -55,12 +55,8 @@ from carpool.http import (
     error_response,
     make_api,
 )
-from deployments.generator import (
-    DEFAULT_LARGE,
-    DEFAULT_SMALL,
-    GeneratorConfig,
-    build_generator_deployment,
-)
+from deployments.generator import build_generator_deployment
+from deployments.generator_config import DEFAULT_LARGE, DEFAULT_SMALL, GeneratorConfig
 from pipelines.handler import PipelineHandler
 from router.deployment import build_router_deployment
 from router.server import RouterConfig
@@ -135,21 +131,6 @@ def with_controls(call: GenerationCall) -> dict[str, Any]:
     return call.model_copy(
         update={"deadline": controls.deadline, "priority": controls.priority}
     ).model_dump()
-
-
-def check_logprobs_route(tier: str, stream: bool, logprobs: int | None) -> None:
-    """Refuses what would drop logprobs: a streamed 'auto' request.
-
-    The router's cascade streams small's judged answer in one piece without the token
-    records, so logprobs would silently go missing; naming a model streams them.
-    """
-    if tier == "auto" and stream and logprobs is not None:
-        raise RequestError(
-            400,
-            "logprobs with stream: true is not available for model 'auto' (its cascade "
-            "answers in one piece without them); name 'small' or 'large', or send stream: false",
-            param="logprobs",
-        )
 
 
 def _chat_logprobs(record: dict[str, Any] | None) -> dict[str, Any] | None:
@@ -254,11 +235,14 @@ class GenerateHandler(PipelineHandler):
 
     async def completion_response(self, body: CompletionRequest) -> Any:
         tier, handle, model = self._route(body.model)
-        check_logprobs_route(tier, bool(body.stream), body.logprobs)
         call = with_controls(GenerationCall.from_completion(body))
         if body.stream:
             return await self._stream(
-                tier, handle, call, self._completion_chunks(model, body.include_usage())
+                tier,
+                handle,
+                call,
+                model,
+                lambda answered: self._completion_chunks(answered, body.include_usage()),
             )
         result = await call_idempotent(tier, lambda: handle.generate.remote(call))
         response = CompletionResponse(
@@ -323,15 +307,15 @@ class GenerateHandler(PipelineHandler):
 
     async def chat_response(self, body: ChatCompletionRequest) -> Any:
         tier, handle, model = self._route(body.model)
-        check_logprobs_route(tier, bool(body.stream), body.logprobs_asked())
         call = with_controls(GenerationCall.from_chat(body))
         if body.stream:
             return await self._stream(
                 tier,
                 handle,
                 call,
-                self._chat_chunks(
-                    model, body.choices_per_prompt(), body.include_usage(), tool_parser(body)
+                model,
+                lambda answered: self._chat_chunks(
+                    answered, body.choices_per_prompt(), body.include_usage(), tool_parser(body)
                 ),
             )
         result = await call_idempotent(tier, lambda: handle.generate.remote(call))
@@ -442,7 +426,8 @@ class GenerateHandler(PipelineHandler):
         tier: str,
         handle: DeploymentHandle,
         call: dict[str, Any],
-        fmt: Callable[[dict[str, Any]], list[dict[str, Any]]],
+        requested: str,
+        formatter: Callable[[str], Callable[[dict[str, Any]], list[dict[str, Any]]]],
     ) -> ClosingStreamingResponse:
         # The first event comes after the replica validated and queued the request, so bad
         # input still gets a plain 4xx response rather than an error inside a 200 stream, and
@@ -450,6 +435,9 @@ class GenerateHandler(PipelineHandler):
         events, first = await call_idempotent(tier, lambda: open_stream(handle, call))
         headers = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
         headers.update(decision_headers(first.get("carpool")))
+        # 'auto': the router chose before generating and its start event says which model;
+        # every chunk names that one, as a whole answer's `model` does.
+        fmt = formatter(_answered_by(first, requested))
         return ClosingStreamingResponse(
             self._sse(tier, first, events, fmt), media_type="text/event-stream", headers=headers
         )

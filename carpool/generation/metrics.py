@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from carpool.generation.engine import GenSequence, StepRecord
+from carpool.generation.sequence import GenSequence, StepRecord
 
 SEQ_BUCKETS = [1, 2, 4, 8, 12, 16, 24, 32, 48, 64, 128, 256]
 TOKEN_BUCKETS = [1, 4, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192]

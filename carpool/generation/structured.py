@@ -212,6 +212,14 @@ def _clean(exc: Exception) -> str:
     return text.splitlines()[0] if text else type(exc).__name__
 
 
+class GrammarBusy(Exception):
+    """Too many schemas wait for the compile thread; retry later (503)."""
+
+
+class GrammarTimeout(Exception):
+    """A schema took longer than the compile timeout (400: simplify it)."""
+
+
 class ConstraintCompiler:
     """Compiles constraints for one tokenizer, caches them, and builds per-sequence states.
 
@@ -283,9 +291,33 @@ class ConstraintCompiler:
         """The compiled grammar (blocking); raises ``ConstraintError`` for a bad schema."""
         return self._future(constraint).result()
 
-    async def compile_async(self, constraint: OutputConstraint) -> Any:
-        """The compiled grammar, awaited without blocking the caller's event loop."""
-        return await asyncio.wrap_future(self._future(constraint))
+    def waiting(self) -> int:
+        """Compiles queued or running (not cached results)."""
+        with self._lock:
+            return sum(1 for future in self._cache.values() if not future.done())
+
+    async def compile_async(
+        self,
+        constraint: OutputConstraint,
+        timeout_s: float | None = None,
+        max_waiting: int | None = None,
+    ) -> Any:
+        """The compiled grammar, awaited without blocking the caller's event loop.
+
+        ``max_waiting``: a schema not yet cached or queued is refused (``GrammarBusy``) while
+        that many compiles wait for the one thread. ``timeout_s``: past it the caller gets
+        ``GrammarTimeout``; the compile goes on and lands in the cache.
+        """
+        with self._lock:
+            known = constraint in self._cache
+        if not known and max_waiting is not None and self.waiting() >= max_waiting:
+            raise GrammarBusy(f"{max_waiting} schemas are already waiting to compile")
+        future = asyncio.wrap_future(self._future(constraint))
+        try:
+            async with asyncio.timeout(timeout_s):
+                return await asyncio.shield(future)
+        except TimeoutError:
+            raise GrammarTimeout(f"the schema took over {timeout_s:g} s to compile") from None
 
     def state(self, compiled: Any) -> GrammarState:
         """A fresh per-sequence state over a compiled grammar."""

@@ -21,13 +21,13 @@ from carpool.devices import (
     check_device,
     place_replica,
 )
-from carpool.generation.vllm_engine import (
+from carpool.generation.vllm_env import (
     BUILT_PYTHON_ENV,
     BUILT_RAY_ENV,
-    VllmNotInstalled,
     check_replica_environment,
     this_python,
 )
+from carpool.generation.vllm_options import VllmNotInstalled
 from deployments import embedder, generator, ranker
 from deployments.embedder import EmbedderConfig, EmbeddingDeployment
 from deployments.generator import GeneratorConfig, GeneratorDeployment

@@ -436,8 +436,9 @@ def test_static_engine_reports_alternatives_too() -> None:
     import torch
     from transformers import LlamaForCausalLM
 
-    from carpool.generation.engine import GenSequence, SeqEvent, TokenizerInfo, make_engine
+    from carpool.generation.factory import make_engine
     from carpool.generation.scheduler import SchedulerLimits
+    from carpool.generation.sequence import GenSequence, SeqEvent, TokenizerInfo
     from tests.factories import llama_tokenizer, tiny_llama_config
 
     tokenizer = llama_tokenizer()

@@ -14,16 +14,11 @@ from typing import Any
 import pytest
 
 from carpool.errors import RequestError
-from carpool.generation.engine import (
-    GenerationEngine,
-    GenSequence,
-    SeqEvent,
-    StepRecord,
-    TokenizerInfo,
-    make_engine,
-)
+from carpool.generation.factory import make_engine
+from carpool.generation.protocol import GenerationEngine
 from carpool.generation.sampling import SamplingParams
 from carpool.generation.scheduler import SchedulerLimits
+from carpool.generation.sequence import GenSequence, SeqEvent, StepRecord, TokenizerInfo
 
 MODES = ["continuous", "static"]
 PROMPTS = [
@@ -386,8 +381,18 @@ async def collect_stream(server, call: dict) -> list[dict]:
     return [event async for event in server.stream(call)]
 
 
-def test_server_generates_and_streams_the_same_greedy_text(tiny, references):
-    server = server_for(tiny)
+@pytest.mark.parametrize("interval", [(1, 0.0), (4, 10_000.0)])
+def test_server_generates_and_streams_the_same_greedy_text(tiny, references, interval):
+    tokens, ms = interval
+    server = server_for(
+        tiny,
+        batching={
+            "max_num_seqs": 4,
+            "max_batch_tokens": 128,
+            "stream_interval_tokens": tokens,
+            "stream_interval_ms": ms,
+        },
+    )
     try:
         call = {"prompts": [PROMPTS[2]], "max_tokens": 11, "temperature": 0, "ignore_eos": True}
         result = run(server.generate(call))
@@ -400,9 +405,14 @@ def test_server_generates_and_streams_the_same_greedy_text(tiny, references):
     assert result["prompt_tokens"] == len(tiny[1](PROMPTS[2])["input_ids"])
     assert events[0]["type"] == "start" and events[-1]["type"] == "end"
     deltas = [e for e in events if e["type"] == "delta"]
-    assert len(deltas) > 3  # token by token, not one blob
     assert "".join(e["text"] for e in deltas) == text
     assert deltas[-1]["finish_reason"] == "length"
+    if tokens == 1:
+        assert len(deltas) > 3  # token by token, not one blob
+    else:
+        # The first token goes out alone (time to first token), then 4 tokens a message.
+        assert 2 <= len(deltas) <= 1 + -(-10 // tokens)
+        assert deltas[0]["text"] == tiny[1].decode(references[2][:1], skip_special_tokens=True)
 
 
 def test_chat_uses_the_tokenizer_template(tiny):

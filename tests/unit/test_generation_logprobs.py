@@ -13,9 +13,10 @@ from typing import Any
 
 import pytest
 
-from carpool.generation.engine import GenSequence, SeqEvent, TokenizerInfo, make_engine
+from carpool.generation.factory import make_engine
 from carpool.generation.sampling import SamplingParams
 from carpool.generation.scheduler import SchedulerLimits
+from carpool.generation.sequence import GenSequence, SeqEvent, TokenizerInfo
 
 PROMPTS = ["the carpool batch token", "hello", "paris is the capital of france and the city"]
 MAX_TOKENS = [7, 12, 9]

@@ -16,8 +16,8 @@ import numpy as np
 import pytest
 
 from carpool.autoscaling import CAPACITY_METRIC
-from carpool.generation.engine import GenSequence
 from carpool.generation.sampling import SamplingParams
+from carpool.generation.sequence import GenSequence
 from deployments.embedder import EmbedderConfig, EmbeddingDeployment, EmbeddingServer
 from deployments.generator import (
     GeneratorConfig,

@@ -15,7 +15,7 @@ import pytest
 from pydantic import ValidationError
 
 from carpool.errors import RequestError
-from carpool.generation.engine import GenSequence, TokenizerInfo, make_engine
+from carpool.generation.factory import make_engine
 from carpool.generation.sampling import SamplingParams
 from carpool.generation.scheduler import SchedulerLimits
 from carpool.generation.schemas import (
@@ -24,6 +24,7 @@ from carpool.generation.schemas import (
     GenerationCall,
     tool_call_schema,
 )
+from carpool.generation.sequence import GenSequence, TokenizerInfo
 from carpool.generation.structured import (
     MAX_SCHEMA_CHARS,
     ConstraintCompiler,
@@ -507,17 +508,17 @@ def test_the_server_renders_tools_into_a_template_without_them(tiny):
     server = _server(tiny)
     try:
         call = GenerationCall.from_chat(_chat(tools=[WEATHER]))
-        ids = server._encode(call)[0]
+        ids = server.prompts.encode(call)[0]
         prompt = server.tokenizer.decode(ids)
         assert "<tools>" in prompt and '"get_weather"' in prompt
-        plain = server.tokenizer.decode(server._encode(GenerationCall.from_chat(_chat()))[0])
+        plain = server.tokenizer.decode(server.prompts.encode(GenerationCall.from_chat(_chat()))[0])
         assert "<tools>" not in plain
     finally:
         server.close()
 
 
 def test_vllm_gets_the_schema_as_its_structured_outputs() -> None:
-    from carpool.generation.vllm_engine import structured_outputs_kwargs
+    from carpool.generation.vllm_options import structured_outputs_kwargs
 
     assert structured_outputs_kwargs(None) is None
     sent = structured_outputs_kwargs(OutputConstraint.json_schema(PERSON))

@@ -13,23 +13,21 @@ from types import SimpleNamespace
 import pytest
 from pydantic import ValidationError
 
-from carpool.generation.engine import TokenizerInfo, make_engine
+from carpool.generation.factory import make_engine
 from carpool.generation.sampling import SamplingParams
 from carpool.generation.scheduler import SchedulerLimits
-from carpool.generation.vllm_engine import (
-    BUILT_PYTHON_ENV,
-    BUILT_RAY_ENV,
+from carpool.generation.sequence import TokenizerInfo
+from carpool.generation.vllm_engine import step_record, vllm_priority
+from carpool.generation.vllm_env import BUILT_PYTHON_ENV, BUILT_RAY_ENV, replica_python
+from carpool.generation.vllm_options import (
     VllmNotInstalled,
     VllmOptions,
     engine_args,
     engine_env,
     finish_reason,
     import_vllm,
-    replica_python,
     resolve_dtype,
     sampling_kwargs,
-    step_record,
-    vllm_priority,
 )
 from deployments.generator import GeneratorConfig, GeneratorServer
 from router.lanes import ShortestFirstQueue
@@ -61,9 +59,9 @@ def test_generator_with_mode_vllm_fails_clearly_without_vllm(
         GeneratorServer({"source": {"model": path}, "mode": "vllm"})
 
 
-def test_make_engine_vllm_needs_its_settings() -> None:
+def test_make_engine_sends_vllm_to_load_engine() -> None:
     tok = TokenizerInfo(decode=lambda ids: "", eos_ids=frozenset({0}), pad_id=0)
-    with pytest.raises(ValueError, match="model_path"):
+    with pytest.raises(ValueError, match="load_engine"):
         make_engine("vllm", None, tok, SchedulerLimits(4, 64), 128)
     with pytest.raises(ValueError, match="vllm"):
         make_engine("nope", None, tok, SchedulerLimits(4, 64), 128)
@@ -270,7 +268,7 @@ def test_the_routers_prediction_reaches_the_sequences(
     server = GeneratorServer({"source": {"model": path}, "limits": {"max_seq_len": 64}})
     try:
         call = GenerationCall(prompts=["a b"], max_tokens=4, predicted_tokens=predicted)
-        seqs, _ = server._sequences(call, lambda event: None)
+        seqs = server._sequences(call, server.prompts.encode(call), None)
         assert [s.predicted_tokens for s in seqs] == [predicted]
     finally:
         server.close()

@@ -238,7 +238,7 @@ def test_max_waiting_admission_refuses(vllm_server: Any) -> None:
 
 def test_engine_stats_feed_the_metrics_listener(vllm_server: Any) -> None:
     """The StepRecords carpool's Ray metrics read, built from vLLM's own iteration stats."""
-    from carpool.generation.engine import GenSequence, StepRecord
+    from carpool.generation.sequence import GenSequence, StepRecord
 
     steps: list[StepRecord] = []
     finished: list[GenSequence] = []
@@ -272,8 +272,8 @@ def test_engine_stats_feed_the_metrics_listener(vllm_server: Any) -> None:
 def test_priority_puts_the_shorter_prediction_first_inside_vllm(vllm_server: Any) -> None:
     """With every slot busy, a later request predicted short is admitted before an earlier
     one predicted long: vLLM's own waiting queue applies carpool's priority."""
-    from carpool.generation.engine import GenSequence
     from carpool.generation.sampling import SamplingParams
+    from carpool.generation.sequence import GenSequence
 
     engine = vllm_server.engine
     assert engine.args["scheduling_policy"] == "priority"
