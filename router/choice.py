@@ -5,6 +5,8 @@
   is low, it hit ``max_tokens`` unfinished, or it degenerated into repetition.
 - ``EscalationLearner``: learns from cascade outcomes which prompts escalate, so they can go
   straight to large and skip the wasted small attempt.
+- ``commit_up_front``: a streamed request cannot be escalated once its first token is out, so
+  a cascade's small-first decision becomes a choice made before generating.
 - ``overflow``: when the large model's queue would break the latency target, serve on small
   and say so.
 """
@@ -151,6 +153,22 @@ class EscalationLearner:
             self.observations >= self.min_observations
             and self.probability(features) > self.skip_threshold
         )
+
+
+def commit_up_front(
+    decision: Decision, threshold: ThresholdChoice, features: RequestFeatures, predicted: float
+) -> Decision:
+    """For a streamed request: the model chosen before generating, never a cascade.
+
+    A cascade judges small's whole answer, so streaming it would hold the first byte back for
+    a whole generation. Instead the threshold policy decides at once from the learned length
+    prediction and the prompt's cues (``EscalationLearner``'s confident prompts have already
+    gone to large by then); the answer streams as it is generated and is not escalated.
+    """
+    if not decision.cascade:
+        return decision
+    chosen = threshold.choose(features, predicted)
+    return Decision(chosen.model, f"streamed, chosen before generating: {chosen.reason}")
 
 
 def overflow(decision: Decision, load: LargeLoad | None, latency_target_ms: float) -> Decision:

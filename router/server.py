@@ -10,6 +10,10 @@ of requests in flight (per live replica of it, ``share_of_cap``), and waiting re
 admitted shortest-predicted-first with aging (``ShortestFirstQueue``), so short requests stop
 waiting behind long ones and long ones never starve. A lane with its own ``target``
 deployment bypasses that queue.
+
+A request answered whole may cascade (small first, escalated when its answer is judged poor);
+a streamed one commits to a model before generating (``choice.commit_up_front``), so its first
+token is not held back for a whole small answer.
 """
 
 from __future__ import annotations
@@ -37,6 +41,7 @@ from router.choice import (
     LargeLoad,
     SmallOutcome,
     ThresholdChoice,
+    commit_up_front,
     overflow,
 )
 from router.features import RequestFeatures, extract_features
@@ -312,7 +317,10 @@ class RouterServer:
             chat_turns=turns,
         )
 
-    def decide(self, features: RequestFeatures, predicted: float, requested: str) -> Decision:
+    def decide(
+        self, features: RequestFeatures, predicted: float, requested: str, stream: bool = False
+    ) -> Decision:
+        """Which model answers. ``stream``: chosen before generating, never a cascade."""
         if requested in (SMALL, LARGE):
             if requested not in self.clients:
                 raise ValueError(f"model {requested!r} is not deployed")
@@ -326,6 +334,8 @@ class RouterServer:
             decision = Decision(LARGE, "learned: this kind of prompt escalates")
         else:
             decision = self.cascade.choose(features, predicted)
+        if stream:
+            decision = commit_up_front(decision, self.threshold, features, predicted)
         gate = self.gates[LARGE]
         load = LargeLoad(gate.queued_tokens, gate.tokens_per_s)
         return overflow(decision, load, self.config.latency_target_ms)
@@ -403,33 +413,14 @@ class RouterServer:
     async def stream(
         self, call: dict[str, Any], requested: str = "auto", tier: Tier | None = None
     ) -> AsyncIterator[dict[str, Any]]:
-        """Streams when no cascade is needed; a cascade answers once the small one is judged."""
+        """Streams from the model chosen before generating (no cascade: the first token goes
+        out as soon as it exists). The start event names that model, and carries the decision.
+        """
         tier = tier or call.get("priority") or "interactive"
         features = self.features(call)
         predicted = self.predictor.predict(features)
         lane = self.lanes.assign(predicted)
-        decision = self.decide(features, predicted, requested)
-        if decision.cascade:
-            result = await self.generate(call, requested, tier)
-            yield {
-                "type": "start",
-                "model": result["model"],
-                "prompt_tokens": result["prompt_tokens"],
-                "carpool": result["carpool"],
-            }
-            for choice in result["choices"]:
-                yield {
-                    "type": "delta",
-                    "index": choice["index"],
-                    "text": choice["text"],
-                    "finish_reason": choice["finish_reason"],
-                }
-            yield {
-                "type": "end",
-                "prompt_tokens": result["prompt_tokens"],
-                "completion_tokens": result["completion_tokens"],
-            }
-            return
+        decision = self.decide(features, predicted, requested, stream=True)
         target = lane.target or decision.model
         gate = self._gate(target, decision.model)
         waited = time.monotonic()
@@ -448,7 +439,7 @@ class RouterServer:
             client = self.clients.get(target) or self.clients[decision.model]
             async for event in client.stream({**call, "predicted_tokens": predicted}):
                 if event["type"] == "start":
-                    event = {**event, "carpool": record}
+                    event = {**event, "model": decision.model, "carpool": record}
                 if event["type"] == "end":
                     actual = int(event.get("completion_tokens") or 0)
                 yield event

@@ -14,7 +14,6 @@ from typing import Any
 import pytest
 from pydantic import ValidationError
 
-from carpool.errors import RequestError
 from carpool.generation.logprobs import chat_logprobs, completion_logprobs
 from carpool.generation.sampling import (
     SamplerState,
@@ -177,17 +176,6 @@ def test_logprobs_reach_the_generation_call() -> None:
     assert GenerationCall.from_chat(_chat(logprobs=False, top_logprobs=0)).logprobs is None
     completion = CompletionRequest.model_validate({"prompt": "a", "logprobs": 2})
     assert GenerationCall.from_completion(completion).logprobs == 2
-
-
-def test_streamed_auto_logprobs_are_refused_not_dropped() -> None:
-    from pipelines.generate import check_logprobs_route
-
-    with pytest.raises(RequestError) as info:
-        check_logprobs_route("auto", True, 0)
-    assert info.value.status_code == 400 and "'small'" in info.value.message
-    check_logprobs_route("auto", False, 0)
-    check_logprobs_route("small", True, 3)
-    check_logprobs_route("auto", True, None)
 
 
 # --- the sampler's alternatives ---------------------------------------------------------
