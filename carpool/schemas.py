@@ -382,6 +382,8 @@ class CohereRerankResponse(BaseModel):
 
 
 class ModelCard(BaseModel):
+    """One entry of ``GET /v1/models``, for every pipeline (OpenAI's shape, vLLM's extras)."""
+
     id: str
     object: Literal["model"] = "model"
     created: int = Field(
@@ -389,6 +391,14 @@ class ModelCard(BaseModel):
         description="Unix time the serving app started (OpenAI's field; clients require it).",
     )
     owned_by: str = "carpool"
+    root: str | None = Field(
+        default=None,
+        description="The model behind this name (a generator tier's model); null where the "
+        "name is the model itself or a pipeline.",
+    )
+    max_model_len: int | None = Field(
+        default=None, description="A generator's context length (prompt + output tokens)."
+    )
 
 
 class ModelList(BaseModel):

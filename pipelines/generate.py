@@ -24,26 +24,22 @@ from carpool.auth import health_body
 from carpool.config import IngressConfig, ModelSourceConfig, StrictModel
 from carpool.errors import RequestError, find_request_error
 from carpool.generation.logprobs import chat_logprobs, completion_logprobs
-from carpool.generation.schemas import (
+from carpool.generation.responses import (
     ChatChoice,
     ChatChunkChoice,
     ChatCompletionChunk,
-    ChatCompletionRequest,
     ChatCompletionResponse,
     ChatDelta,
     ChatMessageOut,
     CompletionChoice,
-    CompletionRequest,
     CompletionResponse,
-    GenerationCall,
-    ModelCard,
-    ModelList,
-    NamedToolChoice,
     ToolCallOut,
     UsageInfo,
     new_id,
     now,
 )
+from carpool.generation.schemas import ChatCompletionRequest, CompletionRequest, GenerationCall
+from carpool.generation.tool_schemas import NamedToolChoice
 from carpool.generation.tools import ToolParser
 from carpool.http import (
     MAX_BODY_BYTES,
@@ -55,6 +51,7 @@ from carpool.http import (
     error_response,
     make_api,
 )
+from carpool.schemas import ModelCard, ModelList
 from deployments.generator import build_generator_deployment
 from deployments.generator_config import DEFAULT_LARGE, DEFAULT_SMALL, GeneratorConfig
 from pipelines.handler import PipelineHandler

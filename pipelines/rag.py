@@ -28,10 +28,10 @@ from carpool.errors import RequestError
 from carpool.generation.schemas import (
     MAX_STOP,
     StreamOptions,
-    TextPart,
     check_stops,
     check_token_limits,
 )
+from carpool.generation.tool_schemas import TextPart
 from carpool.http import (
     MAX_BODY_BYTES,
     ClosingStreamingResponse,

@@ -1,11 +1,12 @@
-"""Wire formats of ``/generate``: OpenAI-compatible completions and chat completions.
+"""Wire formats of ``/generate``: OpenAI-compatible completion and chat completion requests.
 
 Requests forbid unknown fields, so a typo or an unsupported OpenAI option fails with a
 message naming it instead of being silently ignored. OpenAI fields carpool cannot honour
-(``tools``, ``response_format`` other than text, ``logit_bias``, vLLM's ``top_k``...) are
-declared so their 400 says what to change; ``null`` and neutral values (``n: 1``,
-``tool_choice: "none"``) are accepted, as OpenAI and vLLM accept them. ``logprobs``,
-``top_logprobs`` and the presence and frequency penalties are honoured.
+(``logit_bias``, vLLM's ``top_k``...) are declared so their 400 says what to change
+(``carpool.generation.unsupported``); ``null`` and neutral values (``n: 1``, ``tool_choice:
+"none"``) are accepted, as OpenAI and vLLM accept them. ``logprobs``, ``top_logprobs``, the
+presence and frequency penalties, ``response_format`` and ``tools``
+(``carpool.generation.tool_schemas``) are honoured. Responses: ``carpool.generation.responses``.
 
 ``GenerationCall`` is the internal request an ingress sends to a generator replica (plain
 text; the replica owns the tokenizer and the chat template).
@@ -13,15 +14,31 @@ text; the replica owns the tokenizer and the chat template).
 
 from __future__ import annotations
 
-import time
-import uuid
 from typing import Any, ClassVar, Literal
 
 from pydantic import BaseModel, Field, ValidationInfo, field_validator, model_validator
 
 from carpool.generation.logprobs import MAX_CHAT_TOP_LOGPROBS, MAX_COMPLETION_LOGPROBS
 from carpool.generation.sampling import MAX_PENALTY
-from carpool.generation.structured import ConstraintError, OutputConstraint, canonical_schema
+from carpool.generation.structured import OutputConstraint
+from carpool.generation.tool_schemas import (
+    MAX_TOOLS,
+    TOOL_CHOICES,
+    ChatMessage,
+    NamedToolChoice,
+    ResponseFormat,
+    Tool,
+    choice_label,
+    format_constraint,
+    refuse_with_constraint,
+    tool_call_schema,
+)
+from carpool.generation.unsupported import (
+    UNSUPPORTED_CHAT,
+    UNSUPPORTED_COMPLETION,
+    UNSUPPORTED_SHARED,
+    neutral,
+)
 from carpool.schemas import WireRequest
 
 # Hard caps on what one request may describe; deployments apply their own, lower limits.
@@ -43,224 +60,6 @@ class StreamOptions(_Request):
     include_usage: bool = Field(
         default=False, description="Send a last chunk with token usage (and empty choices)."
     )
-
-
-def _neutral(name: str, value: Any) -> bool:
-    """True when a refused field's value asks for what carpool does anyway."""
-    if value is None or value == [] or value == {}:
-        return True
-    return {
-        "tool_choice": value == "none",
-        "response_format": value == {"type": "text"},
-        "modalities": value == ["text"],
-        "store": value is False,
-        "service_tier": value in ("auto", "default"),
-        "top_k": value in (-1, 0),
-        "min_p": value == 0,
-        "repetition_penalty": value == 1,
-        "min_tokens": value == 0,
-        "suffix": value == "",
-        "best_of": value == 1,
-        "echo": value is False,
-    }.get(name, False)
-
-
-# OpenAI (and vLLM) fields carpool cannot honour, each with what to change. They are declared
-# (not left to ``extra="forbid"``) so the 400 says why and what to do, and ``null`` or a
-# neutral value (``tool_choice: "none"``, ``response_format: {"type": "text"}``...) passes.
-UNSUPPORTED_SHARED = {
-    "logit_bias": "logit_bias is not supported; remove it",
-    "top_k": "top_k is not supported (sampling is temperature and top_p only); remove it or "
-    "send -1",
-    "min_p": "min_p is not supported (sampling is temperature and top_p only); remove it or send 0",
-    "repetition_penalty": "repetition_penalty is not supported; remove it or send 1 "
-    "(presence_penalty and frequency_penalty are supported)",
-    "min_tokens": "min_tokens is not supported; remove it or send 0 (ignore_eos: true with "
-    "max_tokens gives an exact length)",
-    "service_tier": "service_tier is not supported; remove it",
-    "store": "stored completions are not supported; remove store or send false",
-    "metadata": "metadata is only kept with stored completions, which are not supported; remove it",
-}
-UNSUPPORTED_CHAT = {
-    "functions": "functions (the legacy form of tools) is not supported; remove it and send "
-    'the same definitions as tools ([{"type": "function", "function": {...}}])',
-    "function_call": "function_call (the legacy form of tool_choice) is not supported; remove "
-    "it and send tool_choice (none, auto, required or a named function)",
-    "audio": "audio output is not supported; remove audio",
-    "modalities": 'only text output is supported; remove modalities or send ["text"]',
-    "prediction": "predicted outputs are not supported; remove prediction",
-    "reasoning_effort": "these models do not reason in hidden steps; remove reasoning_effort",
-    "web_search_options": "web search is not supported; remove web_search_options",
-}
-UNSUPPORTED_COMPLETION = {
-    "echo": "echo is not supported; remove it or set it to false",
-    "best_of": "best_of is not supported; remove it or set it to 1 (use n for several choices)",
-    "suffix": "suffix (fill-in-the-middle) is not supported; remove it",
-}
-
-
-# --- structured output and tools -----------------------------------------------------------
-
-# OpenAI's limits: 128 tools per request, names of letters, digits, '_' and '-' up to 64.
-MAX_TOOLS = 128
-NAME_PATTERN = r"^[a-zA-Z0-9_-]{1,64}$"
-MAX_DESCRIPTION_CHARS = 8192
-MAX_TOOL_CALLS = 64  # tool calls one assistant message may carry
-MAX_ARGUMENTS_CHARS = 65_536
-RESPONSE_FORMAT_TYPES = ("text", "json_object", "json_schema")
-TOOL_CHOICES = ("none", "auto", "required")
-
-
-def _checked_schema(value: Any, what: str) -> Any:
-    """A JSON schema's shape, size and depth (compiling it is the generator's job)."""
-    if value is None:
-        return value
-    try:
-        canonical_schema(value)
-    except ConstraintError as exc:
-        raise ValueError(f"{what}: {exc}") from None
-    return value
-
-
-class JsonSchemaFormat(_Request):
-    """``response_format.json_schema``: the schema the output must match (OpenAI's shape)."""
-
-    name: str = Field(
-        pattern=NAME_PATTERN, description="The format's name (letters, digits, _ and -, 1-64)."
-    )
-    description: str | None = Field(default=None, max_length=MAX_DESCRIPTION_CHARS)
-    schema_: dict[str, Any] = Field(
-        alias="schema",
-        description="A JSON schema (an object); decoding is constrained to match it.",
-    )
-    strict: bool | None = Field(
-        default=None,
-        description="Accepted; the schema is always enforced (properties it does not declare "
-        "are never generated).",
-    )
-
-    @field_validator("schema_")
-    @classmethod
-    def _schema(cls, value: dict[str, Any]) -> dict[str, Any]:
-        return _checked_schema(value, "the schema")
-
-
-class ResponseFormat(_Request):
-    """OpenAI's ``response_format``: text, any JSON object, or JSON matching a schema."""
-
-    type: Literal["text", "json_object", "json_schema"] = Field(
-        description="'text' (free text), 'json_object' (any JSON object) or 'json_schema' "
-        "(JSON matching json_schema.schema)."
-    )
-    json_schema: JsonSchemaFormat | None = Field(
-        default=None, description="With type json_schema: the schema and its name."
-    )
-
-    @field_validator("type", mode="before")
-    @classmethod
-    def _known_type(cls, value: Any) -> Any:
-        if value not in RESPONSE_FORMAT_TYPES:
-            raise ValueError(
-                f"response_format type {value!r} is not supported; send one of "
-                f"{list(RESPONSE_FORMAT_TYPES)}"
-            )
-        return value
-
-    @model_validator(mode="after")
-    def _schema_with_its_type(self) -> ResponseFormat:
-        if self.type == "json_schema" and self.json_schema is None:
-            raise ValueError(
-                "response_format type 'json_schema' needs json_schema: "
-                '{"name": ..., "schema": {...}}; send it, or use type json_object'
-            )
-        if self.type != "json_schema" and self.json_schema is not None:
-            raise ValueError(
-                f"response_format.json_schema is only read with type 'json_schema', not "
-                f"{self.type!r}; remove it or change the type"
-            )
-        return self
-
-    def constraint(self) -> OutputConstraint | None:
-        if self.type == "json_object":
-            return OutputConstraint.json_object()
-        if self.type == "json_schema" and self.json_schema is not None:
-            return OutputConstraint.json_schema(self.json_schema.schema_)
-        return None
-
-
-class FunctionDefinition(_Request):
-    name: str = Field(
-        pattern=NAME_PATTERN, description="Function name (letters, digits, _ and -, 1-64)."
-    )
-    description: str | None = Field(default=None, max_length=MAX_DESCRIPTION_CHARS)
-    parameters: dict[str, Any] | None = Field(
-        default=None,
-        description="JSON schema of the arguments; omitted: no arguments (an empty object).",
-    )
-    strict: bool | None = Field(
-        default=None, description="Accepted; forced calls always match parameters."
-    )
-
-    @field_validator("parameters")
-    @classmethod
-    def _parameters(cls, value: dict[str, Any] | None) -> dict[str, Any] | None:
-        return _checked_schema(value, "the parameters schema")
-
-    def parameters_schema(self) -> dict[str, Any]:
-        return self.parameters if self.parameters is not None else {"type": "object"}
-
-
-class Tool(_Request):
-    type: Literal["function"] = Field(description="Only function tools exist.")
-    function: FunctionDefinition
-
-
-class NamedFunction(_Request):
-    name: str = Field(max_length=64, description="A function named in tools.")
-
-
-class NamedToolChoice(_Request):
-    type: Literal["function"]
-    function: NamedFunction
-
-
-class ToolCallFunction(_Request):
-    name: str = Field(max_length=64)
-    arguments: str = Field(
-        default="{}", max_length=MAX_ARGUMENTS_CHARS, description="The arguments as JSON text."
-    )
-
-
-class ToolCallIn(_Request):
-    """A tool call of an earlier assistant message (conversation history)."""
-
-    id: str = Field(max_length=256)
-    type: Literal["function"] = "function"
-    function: ToolCallFunction
-
-
-def tool_call_schema(tools: list[Tool], parallel: bool) -> dict[str, Any]:
-    """What a ``required`` tool choice must produce: a JSON list of calls (vLLM's shape)."""
-    items = [
-        {
-            "type": "object",
-            "properties": {
-                "name": {"type": "string", "enum": [t.function.name]},
-                "parameters": t.function.parameters_schema(),
-            },
-            "required": ["name", "parameters"],
-            "additionalProperties": False,
-        }
-        for t in tools
-    ]
-    schema: dict[str, Any] = {
-        "type": "array",
-        "minItems": 1,
-        "items": items[0] if len(items) == 1 else {"anyOf": items},
-    }
-    if not parallel:
-        schema["maxItems"] = 1
-    return schema
 
 
 def check_stops(value: str | list[str] | None) -> str | list[str] | None:
@@ -287,37 +86,6 @@ def check_token_limits(max_tokens: int | None, max_completion_tokens: int | None
             f"max_tokens ({max_tokens}) and max_completion_tokens "
             f"({max_completion_tokens}) differ; send only one of them"
         )
-
-
-def _refuse_with_constraint(data: dict[str, Any], param: str, value: str) -> None:
-    """Fields that would break a constrained (JSON) output, refused by name.
-
-    ``data``: the fields validated so far (``stop`` and ``ignore_eos`` come first).
-    """
-    stop = data.get("stop")
-    if stop:
-        raise ValueError(
-            f"{param} {value!r} with stop: a stop string could cut the JSON the output must "
-            "be; remove stop"
-        )
-    if data.get("ignore_eos"):
-        raise ValueError(
-            f"{param} {value!r} with ignore_eos: the output ends when its JSON is complete; "
-            "remove ignore_eos"
-        )
-
-
-def _choice_label(choice: Any) -> str:
-    if isinstance(choice, NamedToolChoice):
-        return f"function {choice.function.name}"
-    return str(choice)
-
-
-def _format_constraint(body: Any) -> tuple[OutputConstraint | None, str | None]:
-    """The grammar ``response_format`` asks for, and that field's name (for errors)."""
-    fmt = body.response_format
-    constraint = fmt.constraint() if fmt is not None else None
-    return constraint, ("response_format" if constraint is not None else None)
 
 
 class _SamplingFields(_Request):
@@ -394,7 +162,7 @@ class _SamplingFields(_Request):
         """Refuses a field carpool cannot honour; a field validator, so the 400 names it."""
         name = info.field_name or ""
         why = cls._unsupported_fields.get(name)
-        if why is not None and not _neutral(name, value):
+        if why is not None and not neutral(name, value):
             raise ValueError(why)
         return value
 
@@ -410,7 +178,7 @@ class _SamplingFields(_Request):
         cls, value: ResponseFormat | None, info: ValidationInfo
     ) -> ResponseFormat | None:
         if value is not None and value.type != "text":
-            _refuse_with_constraint(info.data, "response_format", value.type)
+            refuse_with_constraint(info.data, "response_format", value.type)
         return value
 
     def choices_per_prompt(self) -> int:
@@ -477,40 +245,6 @@ class CompletionRequest(_SamplingFields):
 
     def prompts(self) -> list[str]:
         return [self.prompt] if isinstance(self.prompt, str) else list(self.prompt)
-
-
-class TextPart(_Request):
-    type: Literal["text"] = Field(description="Only text parts are supported.")
-    text: str
-
-
-class ChatMessage(_Request):
-    role: Literal["system", "developer", "user", "assistant", "tool"]
-    content: str | list[TextPart] | None = None
-    name: str | None = Field(default=None, max_length=256)
-    tool_call_id: str | None = Field(
-        default=None, max_length=256, description="role tool: the call this answers."
-    )
-    tool_calls: list[ToolCallIn] | None = Field(
-        default=None,
-        max_length=MAX_TOOL_CALLS,
-        description="role assistant: the tool calls it made (conversation history).",
-    )
-
-    @model_validator(mode="after")
-    def _tool_fields(self) -> ChatMessage:
-        if self.tool_calls and self.role != "assistant":
-            raise ValueError(
-                f"tool_calls is only allowed on assistant messages, not {self.role!r}; remove it"
-            )
-        return self
-
-    def text(self) -> str:
-        if self.content is None:
-            return ""
-        if isinstance(self.content, str):
-            return self.content
-        return "".join(part.text for part in self.content)
 
 
 class ChatCompletionRequest(_SamplingFields):
@@ -592,7 +326,7 @@ class ChatCompletionRequest(_SamplingFields):
     @classmethod
     def _choice_fits_tools(cls, value: Any, info: ValidationInfo) -> Any:
         names = [t.function.name for t in info.data.get("tools") or []]
-        label = _choice_label(value)
+        label = choice_label(value)
         if value not in (None, "none") and not names:
             raise ValueError(
                 f"tool_choice is {label!r} but there are no tools; send tools or remove tool_choice"
@@ -603,7 +337,7 @@ class ChatCompletionRequest(_SamplingFields):
                 f"({names}); name one of them"
             )
         if value == "required" or isinstance(value, NamedToolChoice):
-            _refuse_with_constraint(info.data, "tool_choice", label)
+            refuse_with_constraint(info.data, "tool_choice", label)
         return value
 
     @model_validator(mode="after")
@@ -612,7 +346,7 @@ class ChatCompletionRequest(_SamplingFields):
         if fmt is not None and fmt.type != "text" and self.tool_mode() != "none":
             raise ValueError(
                 f"response_format {fmt.type!r} and tools with tool_choice "
-                f"{_choice_label(self.tool_choice or 'auto')!r} cannot both hold: send one of "
+                f"{choice_label(self.tool_choice or 'auto')!r} cannot both hold: send one of "
                 "them (or tool_choice 'none' with response_format)"
             )
         return self
@@ -637,7 +371,7 @@ class ChatCompletionRequest(_SamplingFields):
             name = self.tool_choice.function.name  # type: ignore[union-attr]
             tool = next(t for t in self.tools or [] if t.function.name == name)
             return OutputConstraint.json_schema(tool.function.parameters_schema()), "tools"
-        return _format_constraint(self)
+        return format_constraint(self)
 
     @model_validator(mode="after")
     def _chat_only(self) -> ChatCompletionRequest:
@@ -688,7 +422,7 @@ class GenerationCall(BaseModel):
 
     @classmethod
     def from_completion(cls, body: CompletionRequest) -> GenerationCall:
-        constraint, param = _format_constraint(body)
+        constraint, param = format_constraint(body)
         return cls(
             prompts=body.prompts(),
             logprobs=body.logprobs,
@@ -735,101 +469,3 @@ def _sampling(body: _SamplingFields, max_tokens: int | None) -> dict[str, Any]:
         "presence_penalty": body.presence_penalty or 0.0,
         "frequency_penalty": body.frequency_penalty or 0.0,
     }
-
-
-# --- responses -----------------------------------------------------------------------
-
-
-def new_id(prefix: str) -> str:
-    return f"{prefix}-{uuid.uuid4().hex[:24]}"
-
-
-def now() -> int:
-    return int(time.time())
-
-
-class UsageInfo(BaseModel):
-    prompt_tokens: int
-    completion_tokens: int
-    total_tokens: int
-
-
-class CompletionChoice(BaseModel):
-    index: int
-    text: str
-    finish_reason: str | None = None
-    logprobs: dict[str, Any] | None = None
-
-
-class CompletionResponse(BaseModel):
-    id: str = Field(default_factory=lambda: new_id("cmpl"))
-    object: Literal["text_completion"] = "text_completion"
-    created: int = Field(default_factory=now)
-    model: str
-    choices: list[CompletionChoice]
-    usage: UsageInfo | None = None
-
-
-class ToolCallOut(BaseModel):
-    id: str
-    type: Literal["function"] = "function"
-    function: dict[str, str] = Field(description="{'name': ..., 'arguments': JSON text}.")
-
-
-class ChatMessageOut(BaseModel):
-    role: Literal["assistant"] = "assistant"
-    content: str | None
-    tool_calls: list[ToolCallOut] | None = None
-
-
-class ChatChoice(BaseModel):
-    index: int
-    message: ChatMessageOut
-    finish_reason: str | None = None
-    logprobs: dict[str, Any] | None = None
-
-
-class ChatCompletionResponse(BaseModel):
-    id: str = Field(default_factory=lambda: new_id("chatcmpl"))
-    object: Literal["chat.completion"] = "chat.completion"
-    created: int = Field(default_factory=now)
-    model: str
-    choices: list[ChatChoice]
-    usage: UsageInfo
-
-
-class ChatDelta(BaseModel):
-    role: Literal["assistant"] | None = None
-    content: str | None = None
-    # OpenAI's streamed tool calls: [{index, id, type, function: {name, arguments}}].
-    tool_calls: list[dict[str, Any]] | None = None
-
-
-class ChatChunkChoice(BaseModel):
-    index: int
-    delta: ChatDelta
-    finish_reason: str | None = None
-    logprobs: dict[str, Any] | None = None
-
-
-class ChatCompletionChunk(BaseModel):
-    id: str
-    object: Literal["chat.completion.chunk"] = "chat.completion.chunk"
-    created: int
-    model: str
-    choices: list[ChatChunkChoice]
-    usage: UsageInfo | None = None
-
-
-class ModelCard(BaseModel):
-    id: str
-    object: Literal["model"] = "model"
-    created: int = Field(default_factory=now)
-    owned_by: str = "carpool"
-    root: str = Field(description="The model behind this name.")
-    max_model_len: int | None = None
-
-
-class ModelList(BaseModel):
-    object: Literal["list"] = "list"
-    data: list[ModelCard]

@@ -156,10 +156,10 @@ class _FakeHandler:
             from carpool.schemas import ModelCard
 
             return [ModelCard(id=self.names[0], created=1_700_000_000)]
-        from carpool.generation.schemas import ModelCard as GeneratorCard
+        from carpool.schemas import ModelCard
 
         return [
-            GeneratorCard(id=t, created=1_700_000_001, root=f"{t}-model", max_model_len=2048)
+            ModelCard(id=t, created=1_700_000_001, root=f"{t}-model", max_model_len=2048)
             for t in ("small", "large", "auto")
         ]
 

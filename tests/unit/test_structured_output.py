@@ -18,18 +18,14 @@ from carpool.errors import RequestError
 from carpool.generation.factory import make_engine
 from carpool.generation.sampling import SamplingParams
 from carpool.generation.scheduler import SchedulerLimits
-from carpool.generation.schemas import (
-    ChatCompletionRequest,
-    CompletionRequest,
-    GenerationCall,
-    tool_call_schema,
-)
+from carpool.generation.schemas import ChatCompletionRequest, CompletionRequest, GenerationCall
 from carpool.generation.sequence import GenSequence, TokenizerInfo
 from carpool.generation.structured import (
     MAX_SCHEMA_CHARS,
     ConstraintCompiler,
     OutputConstraint,
 )
+from carpool.generation.tool_schemas import tool_call_schema
 from carpool.generation.tools import (
     ToolParser,
     parse_forced,
