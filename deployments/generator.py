@@ -459,7 +459,7 @@ class GeneratorDeployment(GeneratorServer):
         max_batch_size=16,  # replaced from config by _apply_collection()
         batch_wait_timeout_s=0.005,
         max_concurrent_batches=1,
-        batch_size_fn=lambda ticket: ticket.weight,
+        batch_size_fn=lambda tickets: sum(t.weight for t in tickets),
     )
     async def _collect(self, tickets: list[Ticket]) -> list[None]:
         # One admission pass, one tokenizer call and one engine submission for the batch.

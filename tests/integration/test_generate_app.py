@@ -132,7 +132,8 @@ def test_streamed_completion_arrives_in_chunks_with_usage(app: str, reference, m
     assert payloads[-1] == "[DONE]"
     chunks = payloads[:-1]
     text_chunks = [c for c in chunks if c["choices"]]
-    assert len(text_chunks) > 3
+    # The first token alone, then messages of up to stream_interval_tokens (8) tokens.
+    assert len(text_chunks) >= 2
     assert "".join(c["choices"][0]["text"] for c in text_chunks) == reference(PROMPT, 10)
     assert text_chunks[-1]["choices"][0]["finish_reason"] == "length"
     assert chunks[-1]["choices"] == [] and chunks[-1]["usage"]["completion_tokens"] == 10
@@ -235,13 +236,6 @@ def test_concurrent_requests_share_decode_steps_and_all_complete(app: str) -> No
     assert stats["sequences_finished"] - before["sequences_finished"] == 8
 
 
-@pytest.mark.xfail(
-    strict=False,
-    reason="open bug: in 2 of 4 full-suite runs on 2026-11-24 (CI of stop 20 and a fresh "
-    "clone) the client's disconnect never reached the small generator (no finished_cancelled; "
-    "the stream ran to its length limit), while it passes alone and in the other runs; the "
-    "routed disconnect test below passes every time. Still runs: XPASS when it works.",
-)
 def test_disconnecting_a_stream_frees_its_slot(app: str) -> None:
     """The client reads a few chunks and goes away; the replica stops generating for it."""
 

@@ -16,6 +16,7 @@ import pytest
 
 from carpool.errors import RequestError
 from router.choice import CascadePolicy, SmallOutcome
+from tests.vllm.loop import run
 
 pytest.importorskip("vllm", reason="vLLM is not installed here: make test-vllm")
 
@@ -35,10 +36,6 @@ MAX_TOKENS = 48
 # float32 kernels (vLLM's CPU attention vs transformers' eager SDPA) sum in different orders,
 # and a flip there is rounding, not a bug.
 NEAR_TIE = 0.05
-
-
-def run(coro: Any) -> Any:
-    return asyncio.run(coro)
 
 
 def greedy_call(**kw: Any) -> dict[str, Any]:
@@ -278,35 +275,37 @@ def test_priority_puts_the_shorter_prediction_first_inside_vllm(vllm_server: Any
     engine = vllm_server.engine
     assert engine.args["scheduling_policy"] == "priority"
     ids = vllm_server.tokenizer("Tell me a story")["input_ids"]
-    done: list[int] = []
-
-    def sink(event: Any) -> None:
-        if event.finish_reason is not None:
-            done.append(event.index)
-
     slots = engine.engine_max_num_seqs
-    # Fillers of different lengths, so slots free one step apart, not all at once.
-    fillers = [
-        GenSequence(ids, SamplingParams(max_tokens=30 + 2 * i, ignore_eos=True), sink, index=i)
-        for i in range(slots)
-    ]
-    engine.submit(fillers)
-    deadline = time.monotonic() + 60
-    while any(f.first_token_at is None for f in fillers):
-        assert time.monotonic() < deadline, "fillers never all started"
-        time.sleep(0.02)
-    long = GenSequence(
-        ids, SamplingParams(max_tokens=4, ignore_eos=True), sink, index=100, predicted_tokens=500
-    )
-    engine.submit([long])
-    time.sleep(0.2)  # the long one is surely queued first
-    short = GenSequence(
-        ids, SamplingParams(max_tokens=4, ignore_eos=True), sink, index=101, predicted_tokens=5
-    )
-    engine.submit([short])
-    while not (long.finished and short.finished):
-        assert time.monotonic() < deadline, "the queued requests never finished"
-        time.sleep(0.02)
+
+    def seq(index: int, max_tokens: int, predicted: float | None = None) -> GenSequence:
+        return GenSequence(
+            ids,
+            SamplingParams(max_tokens=max_tokens, ignore_eos=True),
+            index=index,
+            predicted_tokens=predicted,
+        )
+
+    async def drain(stream: Any) -> None:
+        async for _ in stream:
+            pass
+
+    async def scenario() -> tuple[GenSequence, GenSequence]:
+        # Fillers of different lengths, so slots free one step apart, not all at once.
+        fillers = [seq(i, 30 + 2 * i) for i in range(slots)]
+        tasks = [asyncio.create_task(drain(s)) for s in engine.generate_batch([fillers])]
+        deadline = time.monotonic() + 60
+        while any(f.first_token_at is None for f in fillers):
+            assert time.monotonic() < deadline, "fillers never all started"
+            await asyncio.sleep(0.02)
+        long = seq(100, 4, predicted=500)
+        tasks.append(asyncio.create_task(drain(engine.generate([long]))))
+        await asyncio.sleep(0.2)  # the long one is surely queued first
+        short = seq(101, 4, predicted=5)
+        tasks.append(asyncio.create_task(drain(engine.generate([short]))))
+        await asyncio.wait_for(asyncio.gather(*tasks), 120)
+        return long, short
+
+    long, short = run(scenario())
     assert short.first_token_at is not None and long.first_token_at is not None
     assert short.first_token_at < long.first_token_at, (
         f"short started {short.first_token_at - long.first_token_at:+.3f} s after long"

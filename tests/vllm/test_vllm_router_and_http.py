@@ -7,7 +7,6 @@ Serve: ingress -> router -> a generator replica running vLLM.
 
 from __future__ import annotations
 
-import asyncio
 import json
 import time
 from typing import Any
@@ -17,6 +16,7 @@ import pytest
 
 from router.server import RouterServer
 from tests.vllm.conftest import generator_config
+from tests.vllm.loop import run
 
 pytest.importorskip("vllm", reason="vLLM is not installed here: make test-vllm")
 
@@ -27,7 +27,7 @@ PROMPT = "Once upon a time, in a small village,"
 
 def test_cascade_escalates_on_vllm_logprobs(vllm_server: Any, own_server: Any) -> None:
     call = {"prompts": ["The capital of France is"], "max_tokens": 16, "temperature": 0}
-    small = asyncio.run(vllm_server.generate(call))
+    small = run(vllm_server.generate(call))
     lps = small["token_logprobs"]
     assert lps, "vLLM returned no logprobs for the cascade"
     mean = sum(lps) / len(lps)
@@ -40,7 +40,7 @@ def test_cascade_escalates_on_vllm_logprobs(vllm_server: Any, own_server: Any) -
             "max_repetition": 1.0,
         }
         router = RouterServer(config, {"small": vllm_server, "large": own_server})
-        return asyncio.run(router.generate(dict(call)))["carpool"]
+        return run(router.generate(dict(call)))["carpool"]
 
     strict = route(mean + 0.05)
     assert strict["escalated"] and strict["model"] == "large", strict
@@ -95,7 +95,7 @@ def test_http_auto_streams_from_vllm(app: str) -> None:
             lines = [line async for line in response.aiter_lines()]
             return dict(response.headers), lines
 
-    headers, lines = asyncio.run(read())
+    headers, lines = run(read())
     payloads = [line[6:] for line in lines if line.startswith("data: ")]
     assert payloads[-1] == "[DONE]"
     chunks = [json.loads(p) for p in payloads[:-1]]
@@ -137,7 +137,7 @@ def test_http_disconnect_aborts_in_vllm(app: str) -> None:
                 if seen >= 3:
                     break  # leaving the context closes the connection mid-stream
 
-    asyncio.run(read_some_then_hang_up())
+    run(read_some_then_hang_up())
     left = time.monotonic()
     while time.monotonic() - left < 15:
         stats = _small_stats()
