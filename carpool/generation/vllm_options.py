@@ -12,6 +12,7 @@ from typing import Any, Literal
 
 from pydantic import Field, model_validator
 
+from carpool.aging import DEFAULT_AGING_TOKENS_PER_S, DEFAULT_TIER_PENALTY_TOKENS
 from carpool.config import StrictModel
 from carpool.generation.sampling import SamplingParams
 from carpool.generation.structured import json_safe_string_bounds
@@ -23,11 +24,6 @@ INSTALL_HINT = (
     "Or set mode: continuous"
 )
 
-# The same aging and tier gap the router's lanes use (router.lanes.ShortestFirstQueue):
-# a request that waited predicted/aging seconds is ahead of any newcomer, and a batch-tier
-# request counts this many predicted tokens longer than an interactive one.
-DEFAULT_AGING_TOKENS_PER_S = 50.0
-DEFAULT_TIER_PENALTY_TOKENS = 1000.0
 # KV cache of a CPU engine when the config gives none (GiB): what the vLLM peer measurements
 # used (benchmarks/peers.py), room for 16 x 2048-token SmolLM2 sequences many times over.
 DEFAULT_CPU_KV_GIB = 4
