@@ -366,10 +366,10 @@ async def await_within_deadline(stage: str, call: Awaitable[T]) -> T:
         if remaining is None:
             return await call
         if remaining <= 0:
-            raise asyncio.TimeoutError
+            raise TimeoutError
         async with asyncio.timeout(remaining):
             return await call
-    except asyncio.TimeoutError:
+    except TimeoutError:
         _cancel(call)
         raise deadline_exceeded(stage) from None
     except asyncio.CancelledError:

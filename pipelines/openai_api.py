@@ -210,7 +210,7 @@ class OpenAIIngress:
             return pipeline.handler.attach(app, settings)
         except KeyError:
             why = "is not deployed"
-        except asyncio.TimeoutError:
+        except TimeoutError:
             why = f"did not report its settings within {SETTINGS_TIMEOUT_S:.0f} s"
         raise RequestError(
             503,

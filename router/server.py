@@ -206,7 +206,7 @@ class _Gate:
                 # cancelled request would then generate anyway.
                 async with asyncio.timeout(deadline - time.time()):
                     await asyncio.shield(future)
-        except (asyncio.CancelledError, asyncio.TimeoutError) as exc:
+        except (TimeoutError, asyncio.CancelledError) as exc:
             if future.done() and not future.cancelled():
                 self.leave(predicted)  # admitted just as the caller left: give the slot back
             else:
