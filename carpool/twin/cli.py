@@ -147,6 +147,8 @@ def profile_command(args: argparse.Namespace, argv: list[str]) -> int:
     hw = hardware(args.device)
     threads = [int(t) for t in _list(args.threads)] if args.threads else [None]
     command = "python -m carpool.twin " + shlex.join(argv)
+    # Other work on the machine slows every pass: the load seen before and after is recorded.
+    load_before = [round(v, 2) for v in os.getloadavg()]
     started = time.monotonic()
     entries: list[dict[str, Any]] = []
     failed: list[dict[str, Any]] = []
@@ -170,6 +172,7 @@ def profile_command(args: argparse.Namespace, argv: list[str]) -> int:
                     min_time_s=args.min_time_s,
                     max_point_s=args.max_point_s,
                     quick=args.quick,
+                    max_others_cores=args.max_others_cores,
                     log=log,
                 )
                 try:
@@ -202,7 +205,10 @@ def profile_command(args: argparse.Namespace, argv: list[str]) -> int:
             "min_time_s": args.min_time_s,
             "max_point_s": args.max_point_s,
             "quick": args.quick,
+            "max_others_cores": args.max_others_cores,
             "nice": os.nice(0),
+            "loadavg_before": load_before,
+            "loadavg_after": [round(v, 2) for v in os.getloadavg()],
         },
         "models": entries,
         "failed": failed,
@@ -264,6 +270,11 @@ def parser() -> argparse.ArgumentParser:
     m.add_argument("--min-time-s", type=float, default=0.3, help="time spent per point")
     m.add_argument("--max-point-s", type=float, default=2.0, help="stop a series past this")
     m.add_argument("--budget-s", type=float, default=0.0, help="skip variants after this")
+    m.add_argument(
+        "--max-others-cores",
+        type=float,
+        help="CPU: re-time a point while other processes use more cores than this",
+    )
     m.add_argument("--quick", action="store_true", help="coarse grids (smoke tests)")
     c = sub.add_parser("check", help="validate profile files")
     c.add_argument("paths", nargs="+")
