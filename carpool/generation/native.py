@@ -150,6 +150,10 @@ class ThreadedEngine(EngineCore):
     def _fail_all(self, reason: str) -> None:
         """Finishes every sequence the engine holds with an error and resets its state."""
 
+    def _record(self, record: StepRecord) -> None:
+        super()._record(record)
+        self._flush()  # each step's events leave with the step (static: inside generate)
+
     def _deliver(self, seq: GenSequence, event: SeqEvent) -> None:
         if seq.loop is None:
             super()._deliver(seq, event)
