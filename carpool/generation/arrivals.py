@@ -14,7 +14,7 @@ from typing import Any
 
 from carpool.errors import RequestError
 from carpool.generation.protocol import EventStream
-from carpool.generation.schemas import GenerationCall
+from carpool.generation.schemas import MAX_SEQS_PER_CALL, GenerationCall
 from carpool.generation.sequence import GenSequence
 
 
@@ -31,7 +31,9 @@ class Ticket:
 
     @property
     def weight(self) -> int:
-        return max(1, len(self.call.prompts) or 1) * self.call.n
+        """Sequences the call asks for, capped: a call over the cap is refused (400) inside
+        the batch, and Serve's batcher must never see an item heavier than its batch."""
+        return min(max(1, len(self.call.prompts)) * self.call.n, MAX_SEQS_PER_CALL)
 
     def abandon(self) -> None:
         """The caller left: a stream that exists, or comes later, is closed (aborted)."""
