@@ -1,0 +1,416 @@
+"""The discrete-event twin of a carpool cluster: ingress, router and model replicas.
+
+A request goes through the HTTP proxy (a bounded request rate per proxy), a fixed serving
+latency (hops, serialisation), the router when it asks for ``model: auto`` (length
+prediction, lanes, model choice and the small/large cascade, all carpool's own
+``router.server.RouterServer`` objects), then a deployment's replicas, picked the way Serve's
+router does (the less loaded of two, within ``max_ongoing_requests``; beyond that requests
+queue in the handle up to ``max_queued_requests``). Replicas are ``carpool.twin.replicas``:
+carpool's admission, executor planning and step scheduler, with profile-priced passes.
+
+Load is open (a list of ``(arrival_s, SimRequest)``, e.g. Poisson or a trace) or closed
+(``clients`` each sending the next request when the last is answered, honouring Retry-After
+or not). ``Twin.run`` returns a ``SimResult``: goodput, p50/p99 latency, TTFT and TPOT for
+generation, refusals. Deterministic for given inputs; no Ray, no threads, no sleeping.
+"""
+
+from __future__ import annotations
+
+import heapq
+import itertools
+import math
+import random
+from collections import deque
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from carpool.twin.replicas import EncoderReplica, GeneratorReplica, SimRequest, Work
+from router.choice import LARGE, SMALL, SmallOutcome
+from router.lanes import ShortestFirstQueue
+from router.server import RouterServer
+
+Replica = EncoderReplica | GeneratorReplica
+
+
+@dataclass
+class Pool:
+    """One deployment: its replicas and Serve's per-replica bounds."""
+
+    name: str
+    replicas: list[Replica]
+    max_ongoing_requests: int = 512
+    max_queued_requests: int = -1  # -1: unbounded, Serve's default
+    waiting: deque[_Ticket] = field(default_factory=deque)
+
+
+@dataclass
+class Overheads:
+    """What serving costs outside the models, as figures measured or documented elsewhere."""
+
+    fixed_ms: float = 0.0  # latency every request adds (proxy, ingress, hops), not compute
+    proxy_rps: float | None = None  # one HTTP proxy's request ceiling (PLATFORM.md: ~250/s)
+    proxies: int = 1
+    router_rps: float | None = None  # one router replica's decisions per second
+    router_replicas: int = 1
+
+
+@dataclass
+class Record:
+    """One request's fate."""
+
+    req: SimRequest
+    sent: float
+    model: str = ""
+    ended: float | None = None
+    status: int = 0
+    first_token: float | None = None
+    escalated: bool = False
+
+
+@dataclass(eq=False)
+class _Ticket:
+    """One submission of a request to a pool: who to answer, and its record."""
+
+    req: SimRequest
+    reply: Callable[[int], None]
+    rec: Record
+    pool: Pool
+
+
+class _Stage:
+    """``servers`` FIFO servers of a fixed service time: a proxy's or router's rate bound."""
+
+    def __init__(self, rate: float | None, servers: int) -> None:
+        self.service_s = 0.0 if not rate else 1.0 / rate
+        self.free_at = [0.0] * max(1, servers)
+
+    def through(self, now: float) -> float:
+        if self.service_s == 0:
+            return now
+        i = min(range(len(self.free_at)), key=self.free_at.__getitem__)
+        start = max(now, self.free_at[i])
+        self.free_at[i] = start + self.service_s
+        return self.free_at[i]
+
+
+class _Gate:
+    """The router's bounded in-flight requests to one model, admitted shortest-first."""
+
+    def __init__(self, limit: int, aging: float, fifo: bool) -> None:
+        self.limit = limit
+        self.in_flight = 0
+        self.queue: ShortestFirstQueue[Callable[[], None]] = ShortestFirstQueue(aging)
+        self.fifo = fifo
+
+
+@dataclass
+class SimResult:
+    """Figures over the measured window (after ``warmup_s``)."""
+
+    window_s: float
+    answered: int
+    refused: int
+    items_per_s: float
+    tokens_per_s: float
+    p50_ms: float
+    p99_ms: float
+    ttft_p50_ms: float = math.nan
+    ttft_p99_ms: float = math.nan
+    tpot_ms: float = math.nan
+    by_model: dict[str, int] = field(default_factory=dict)
+    escalated: int = 0
+    utilisation: dict[str, float] = field(default_factory=dict)
+
+    def as_dict(self) -> dict[str, Any]:
+        return {k: (round(v, 3) if isinstance(v, float) else v) for k, v in vars(self).items()}
+
+
+def percentile(values: Sequence[float], q: float) -> float:
+    """Linear-interpolated percentile (``q`` in 0-100); NaN for no values."""
+    if not values:
+        return math.nan
+    xs = sorted(values)
+    pos = (len(xs) - 1) * q / 100
+    lo, hi = math.floor(pos), math.ceil(pos)
+    return xs[lo] + (xs[hi] - xs[lo]) * (pos - lo)
+
+
+class Twin:
+    """A cluster's pools, overheads and router; ``run`` simulates one load."""
+
+    def __init__(
+        self,
+        pools: dict[str, Pool],
+        overheads: Overheads | None = None,
+        router: dict[str, Any] | None = None,
+        seed: int = 0,
+    ) -> None:
+        self.pools = pools
+        self.overheads = overheads or Overheads()
+        self.rng = random.Random(seed)
+        self.router: RouterServer | None = None
+        self.gates: dict[str, _Gate] = {}
+        if router is not None and SMALL in pools:
+            clients = {m: None for m in (SMALL, LARGE) if m in pools}
+            config = {**router, "predictor_snapshot": None}
+            self.router = RouterServer(config, clients)  # type: ignore[arg-type]
+            c = self.router.config
+            for m in clients:
+                per = c.max_in_flight_per_replica.get(m, 16)
+                limit = per * len(pools[m].replicas)
+                self.gates[m] = _Gate(limit, c.aging_tokens_per_s, not c.lanes_enabled)
+        self._events: list[tuple[float, int, Callable[[], None]]] = []
+        self._seq = itertools.count()
+        self.now = 0.0
+        self.records: list[Record] = []
+        self._busy_s: dict[str, float] = {}
+        self._proxy = _Stage(self.overheads.proxy_rps, self.overheads.proxies)
+        self._router_stage = _Stage(self.overheads.router_rps, self.overheads.router_replicas)
+
+    # --- the event loop --------------------------------------------------------------
+
+    def at(self, t: float, fn: Callable[[], None]) -> None:
+        heapq.heappush(self._events, (t, next(self._seq), fn))
+
+    def _loop(self, until: float) -> None:
+        while self._events and self._events[0][0] <= until:
+            t, _, fn = heapq.heappop(self._events)
+            self.now = t
+            fn()
+
+    # --- a request's path ------------------------------------------------------------
+
+    def send(self, req: SimRequest, done: Callable[[Record], None] | None = None) -> None:
+        """A request arrives now; ``done`` is called with its record when it is answered."""
+        rec = Record(req, self.now)
+        self.records.append(rec)
+        through = self._proxy.through(self.now) + self.overheads.fixed_ms / 1000
+        self.at(through, lambda: self._dispatch(rec, done))
+
+    def _answer(self, rec: Record, status: int, done: Callable[[Record], None] | None) -> None:
+        rec.ended, rec.status = self.now, status
+        if done is not None:
+            done(rec)
+
+    def _dispatch(self, rec: Record, done: Callable[[Record], None] | None) -> None:
+        req = rec.req
+        if req.kind == "generate" and req.model == "auto":
+            if self.router is None:
+                raise ValueError("a request asks for model 'auto' but the twin has no router")
+            at = self._router_stage.through(self.now)
+            self.at(at, lambda: self._route(rec, done))
+            return
+        pool = {"embed": "embedder", "rank": "ranker"}.get(req.kind, req.model)
+        if pool not in self.pools:
+            raise ValueError(f"no {pool!r} deployment in the twin for a {req.kind} request")
+        rec.model = pool
+        self._submit(self.pools[pool], req, lambda status: self._answer(rec, status, done), rec)
+
+    def _route(self, rec: Record, done: Callable[[Record], None] | None) -> None:
+        """``model: auto``: carpool's router decides, lanes gate, the cascade may escalate."""
+        assert self.router is not None
+        router, req = self.router, rec.req
+        call = {
+            "prompts": [req.text or "x" * (4 * req.prompt_tokens)],
+            "max_tokens": req.max_tokens,
+        }
+        features = router.features(call)
+        predicted = router.predictor.predict(features)
+        lane = router.lanes.assign(predicted)
+        decision = router.decide(features, predicted, "auto")
+        tier = "batch" if req.priority == "batch" else "interactive"
+
+        def finished(model: str, status: int) -> None:
+            escalate = False
+            if status == 200 and decision.cascade and model == SMALL:
+                cut = req.produced >= req.max_tokens
+                outcome = SmallOutcome(
+                    [], [req.small_mean_logprob] * req.produced, "length" if cut else "stop"
+                )
+                escalate, _ = router.cascade.should_escalate(outcome)
+                router.learner.observe(features, escalate)
+            if escalate and LARGE in self.pools:
+                rec.escalated = True
+                run(LARGE)
+                return
+            if status == 200:
+                router.predictor.observe(features, req.produced)
+            rec.model = model
+            self._answer(rec, status, done)
+
+        def run(model: str) -> None:
+            gate = self.gates[model]
+
+            def go() -> None:
+                gate.in_flight += 1
+
+                def left(status: int) -> None:
+                    gate.in_flight -= 1
+                    if len(gate.queue) and gate.in_flight < gate.limit:
+                        gate.queue.pop()()
+                    finished(model, status)
+
+                self._submit(self.pools[model], req, left, rec)
+
+            if gate.in_flight < gate.limit and not len(gate.queue):
+                go()
+            else:
+                key = 0.0 if gate.fifo else predicted
+                gate.queue.push(go, key, self.now, tier)  # type: ignore[arg-type]
+
+        del lane  # a lane with its own target would name a pool; serve configs share one
+        run(decision.model)
+
+    def _submit(
+        self, pool: Pool, req: SimRequest, reply: Callable[[int], None], rec: Record
+    ) -> None:
+        self._place(_Ticket(req, reply, rec, pool))
+
+    def _place(self, ticket: _Ticket) -> None:
+        """Serve's replica choice: the less loaded of two with room, else the handle queue."""
+        pool = ticket.pool
+        open_ = [r for r in pool.replicas if r.ongoing < pool.max_ongoing_requests]
+        if not open_:
+            if 0 <= pool.max_queued_requests <= len(pool.waiting):
+                ticket.reply(503)
+                return
+            pool.waiting.append(ticket)
+            return
+        pick = self.rng.sample(open_, min(2, len(open_)))
+        replica = min(pick, key=lambda r: r.ongoing)
+        refusal = replica.offer(self.now, ticket.req, ticket)
+        if refusal is not None:
+            ticket.reply(refusal.status_code)
+            return
+        self._kick(replica)
+
+    def _kick(self, replica: Replica, collected: bool = False) -> None:
+        if isinstance(replica, EncoderReplica) and replica.collect_s > 0 and not replica.busy:
+            if replica.collecting and not collected:
+                return  # a collection window is open: this arrival joins it
+            if not collected:
+                replica.collecting = True
+                self.at(self.now + replica.collect_s, lambda: self._kick(replica, True))
+                return
+            replica.collecting = False
+        work = replica.start(self.now)
+        if work is None:
+            return
+        self._busy_s[replica.name] = self._busy_s.get(replica.name, 0.0) + work.ends - self.now
+        self.at(work.ends, lambda: self._finish(replica, work))
+
+    def _finish(self, replica: Replica, work: Work) -> None:
+        if isinstance(replica, EncoderReplica):
+            done, first = replica.finish(self.now, work), []
+        else:
+            events = replica.finish(self.now, work)
+            done, first = events.done, events.first
+        for ticket in first:
+            if ticket.rec.first_token is None:
+                ticket.rec.first_token = self.now
+        for ticket in done:
+            ticket.reply(200)
+            if ticket.pool.waiting:
+                self._place(ticket.pool.waiting.popleft())
+        self._kick(replica)
+
+    # --- loads -----------------------------------------------------------------------
+
+    def run(
+        self,
+        arrivals: Sequence[tuple[float, SimRequest]] | None = None,
+        clients: int = 0,
+        requests: Sequence[SimRequest] = (),
+        duration_s: float = 60.0,
+        warmup_s: float = 5.0,
+        honour_retry_after: bool = True,
+        retry_after_s: float = 1.0,
+        drain: bool = True,
+    ) -> SimResult:
+        """Open loop (``arrivals``) or ``clients`` closed-loop clients cycling ``requests``."""
+        if (arrivals is None) == (clients <= 0):
+            raise ValueError("give either arrivals (open loop) or clients > 0 (closed loop)")
+        if arrivals is not None:
+            for t, req in arrivals:
+                self.at(t, lambda r=req: self.send(r))
+            self._loop(math.inf if drain else max((t for t, _ in arrivals), default=0.0))
+            return self._result(warmup_s, None)
+        else:
+            if not requests:
+                raise ValueError("closed-loop clients need requests to send")
+            order = itertools.cycle(range(len(requests)))
+
+            def client(req: SimRequest | None = None) -> None:
+                if self.now >= duration_s:
+                    return
+                nxt = req if req is not None else requests[next(order)]
+
+                def answered(rec: Record) -> None:
+                    if rec.status == 503 and honour_retry_after:
+                        self.at(self.now + retry_after_s, lambda: client(rec.req))
+                    else:
+                        client()
+
+                self.send(nxt, answered)
+
+            for i in range(clients):
+                # Clients start a few microseconds apart, as a load generator's tasks do.
+                self.at(i * 1e-5, client)
+            self._loop(duration_s)
+        return self._result(warmup_s, duration_s)
+
+    def _result(self, lo: float, hi: float | None) -> SimResult:
+        """Closed loop (``hi`` given): what completed in [lo, hi], over hi - lo. Open loop:
+        every request sent from ``lo`` on, over the span from the first of them to the last
+        completion, as the benchmark harness summarises a run (benchmarks/stats.py)."""
+        ok = [r for r in self.records if r.status == 200 and r.ended is not None]
+        if hi is not None:
+            inside = [r for r in ok if lo <= r.ended <= hi]  # type: ignore[operator]
+            sent = [r for r in self.records if lo <= r.sent <= hi]
+            span = hi - lo
+        else:
+            inside = [r for r in ok if r.sent >= lo]
+            sent = [r for r in self.records if r.sent >= lo]
+            first = min((r.sent for r in sent), default=lo)
+            last = max((r.ended or r.sent for r in sent), default=lo)
+            span = max(last - first, 1e-9)
+        refused = sum(1 for r in sent if r.status in (503, 504))
+        lat = [(r.ended - r.sent) * 1000 for r in inside]  # type: ignore[operator]
+        gen = [r for r in inside if r.req.kind == "generate"]
+        ttft = [(r.first_token - r.sent) * 1000 for r in gen if r.first_token is not None]
+        tpot = [
+            (r.ended - r.first_token) * 1000 / (r.req.produced - 1)  # type: ignore[operator]
+            for r in gen
+            if r.first_token is not None and r.req.produced > 1
+        ]
+        by_model: dict[str, int] = {}
+        for r in inside:
+            by_model[r.model] = by_model.get(r.model, 0) + 1
+        return SimResult(
+            window_s=span,
+            answered=len(inside),
+            refused=refused,
+            items_per_s=sum(r.req.items for r in inside) / span,
+            tokens_per_s=sum(r.req.produced for r in gen) / span,
+            p50_ms=percentile(lat, 50),
+            p99_ms=percentile(lat, 99),
+            ttft_p50_ms=percentile(ttft, 50),
+            ttft_p99_ms=percentile(ttft, 99),
+            tpot_ms=percentile(tpot, 50),
+            by_model=by_model,
+            escalated=sum(1 for r in inside if r.escalated),
+            utilisation={k: round(v / max(self.now, 1e-9), 3) for k, v in self._busy_s.items()},
+        )
+
+
+def poisson(rate: float, duration_s: float, rng: random.Random) -> list[float]:
+    """Arrival times of a Poisson process of ``rate`` per second over ``duration_s``."""
+    if rate <= 0:
+        raise ValueError(f"rate must be > 0 requests/s, got {rate}")
+    t, out = 0.0, []
+    while True:
+        t += rng.expovariate(rate)
+        if t >= duration_s:
+            return out
+        out.append(t)

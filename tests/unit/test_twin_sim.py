@@ -1,0 +1,222 @@
+"""The twin's simulator against what queueing theory says, and on serve.yaml (the CI case).
+
+Costs here are hand-made profile entries (a constant pass, a per-token line), so every
+expected figure follows from arithmetic: a closed loop of N clients on one server of
+service time C does 1/C requests per second at latency N x C (Little's law), an M/D/1 queue
+waits rho / (2 mu (1 - rho)) on average, and so on.
+"""
+
+from __future__ import annotations
+
+import random
+from pathlib import Path
+
+import pytest
+
+from carpool.config import BatchingConfig
+from carpool.twin.profile import load_profile
+from carpool.twin.replicas import EncoderReplica, GeneratorReplica, SimRequest
+from carpool.twin.sim import Overheads, Pool, Twin, percentile, poisson
+from carpool.twin.topology import TwinSpec
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def encoder_entry(const_ms: float, per_token_ms: float = 0.0) -> dict:
+    coef = {"const": const_ms, "padded_tokens": per_token_ms}
+    return {"kind": "encoder", "pass": {"fits": {"line": {"coef": coef}}, "use": "line"}}
+
+
+def generator_entry(prefill_ms: float, decode_ms: float) -> dict:
+    return {
+        "kind": "generator",
+        "prefill": {"fits": {"line": {"coef": {"const": prefill_ms, "tokens": 0}}}, "use": "line"},
+        "decode": {"fits": {"line": {"coef": {"const": decode_ms, "batch": 0}}}, "use": "line"},
+        "kv_bytes_per_token": 1024,
+    }
+
+
+def encoder_twin(replicas: int, const_ms: float, **knobs: object) -> Twin:
+    batching = BatchingConfig.model_validate({"max_batch_size": 1, **knobs})
+    pool = Pool(
+        "embedder",
+        [EncoderReplica(f"e{i}", batching, encoder_entry(const_ms)) for i in range(replicas)],
+    )
+    return Twin({"embedder": pool})
+
+
+ONE = SimRequest("embed", (16,))
+
+
+def test_closed_loop_one_server_follows_littles_law() -> None:
+    result = encoder_twin(1, 50.0).run(clients=8, requests=[ONE], duration_s=60, warmup_s=10)
+    assert result.items_per_s == pytest.approx(1000 / 50, rel=0.02)
+    # Every client waits behind the other seven: latency = N x C.
+    assert result.p50_ms == pytest.approx(8 * 50, rel=0.02)
+
+
+def test_doubling_replicas_doubles_capacity() -> None:
+    one = encoder_twin(1, 40.0).run(clients=16, requests=[ONE], duration_s=60, warmup_s=10)
+    two = encoder_twin(2, 40.0).run(clients=16, requests=[ONE], duration_s=60, warmup_s=10)
+    assert two.items_per_s == pytest.approx(2 * one.items_per_s, rel=0.03)
+    assert two.p50_ms == pytest.approx(one.p50_ms / 2, rel=0.1)
+
+
+def test_executor_merges_waiting_requests_into_one_pass() -> None:
+    # A constant 100 ms pass, room for 64 items and a 10 ms collection window: all 32
+    # clients ride every pass, one pass per 110 ms.
+    twin = encoder_twin(1, 100.0, max_batch_size=64, batch_wait_timeout_s=0.01)
+    result = twin.run(clients=32, requests=[ONE], duration_s=30, warmup_s=5)
+    assert result.items_per_s == pytest.approx(32 * 1000 / 110, rel=0.03)
+    assert result.p50_ms == pytest.approx(110, rel=0.03)
+
+
+def test_without_a_window_closed_clients_lock_into_alternating_passes() -> None:
+    # No wait: the first client's request starts a pass alone, the other 31 ride the next,
+    # and the two groups alternate: 32 items per two passes, what the executor plans.
+    twin = encoder_twin(1, 100.0, max_batch_size=64)
+    result = twin.run(clients=32, requests=[ONE], duration_s=30, warmup_s=5)
+    assert result.items_per_s == pytest.approx(32 * 1000 / 200, rel=0.03)
+
+
+def test_padding_costs_what_the_line_says() -> None:
+    # One replica, items one per pass, 1 ms per padded token: 64-token items take 64 ms.
+    batching = BatchingConfig.model_validate({"max_batch_size": 1})
+    pool = Pool("embedder", [EncoderReplica("e", batching, encoder_entry(0.0, 1.0))])
+    result = Twin({"embedder": pool}).run(
+        clients=4, requests=[SimRequest("embed", (64,))], duration_s=30, warmup_s=5
+    )
+    assert result.items_per_s == pytest.approx(1000 / 64, rel=0.03)
+
+
+def test_open_loop_wait_matches_m_d_1() -> None:
+    service_s, rate = 0.05, 14.0  # rho = 0.7
+    rng = random.Random(3)
+    arrivals = [(t, ONE) for t in poisson(rate, 4000, rng)]
+    twin = encoder_twin(1, service_s * 1000)
+    result = twin.run(arrivals=arrivals, warmup_s=50)
+    rho = rate * service_s
+    mean_wait = rho / (2 * (1 / service_s) * (1 - rho))  # Pollaczek-Khinchine, deterministic
+    latencies = [r.ended - r.sent for r in twin.records if r.sent >= 50]
+    assert sum(latencies) / len(latencies) == pytest.approx(mean_wait + service_s, rel=0.08)
+    assert result.refused == 0
+
+
+def test_bounded_admission_refuses_past_its_bound() -> None:
+    # 20 requests at once, a bound of 5 queued items: the replica takes 5 and refuses 15.
+    twin = encoder_twin(1, 10.0, admission_policy="bounded", max_queued_items=5)
+    arrivals = [(1.0 + i * 1e-6, ONE) for i in range(20)]
+    result = twin.run(arrivals=arrivals, warmup_s=0)
+    assert result.refused == 15
+    assert result.answered == 5
+    statuses = sorted(r.status for r in twin.records)
+    assert statuses == [200] * 5 + [503] * 15
+
+
+def test_serve_queue_bound_refuses_when_replicas_are_full() -> None:
+    batching = BatchingConfig.model_validate({"max_batch_size": 1})
+    pool = Pool(
+        "embedder",
+        [EncoderReplica("e", batching, encoder_entry(10.0))],
+        max_ongoing_requests=2,
+        max_queued_requests=3,
+    )
+    twin = Twin({"embedder": pool})
+    result = twin.run(arrivals=[(0.5 + i * 1e-6, ONE) for i in range(10)], warmup_s=0)
+    assert (result.answered, result.refused) == (5, 5)
+
+
+def test_generator_ttft_and_tpot_follow_step_costs() -> None:
+    # Prefill step 30 ms, decode step 10 ms: the first token at 30 ms, then 10 ms a token.
+    entry = generator_entry(30.0, 10.0)
+    pool = Pool("small", [GeneratorReplica("g", {"max_num_seqs": 8}, entry)])
+    req = SimRequest("generate", prompt_tokens=20, max_tokens=11, model="small")
+    result = Twin({"small": pool}).run(clients=1, requests=[req], duration_s=20, warmup_s=2)
+    assert result.ttft_p50_ms == pytest.approx(30.0, rel=0.01)
+    assert result.tpot_ms == pytest.approx(10.0, rel=0.01)
+    assert result.p50_ms == pytest.approx(30 + 10 * 10, rel=0.01)
+    assert result.tokens_per_s == pytest.approx(11 / 0.130, rel=0.05)
+
+
+def test_generator_slots_bound_concurrency() -> None:
+    # Decode cost independent of batch: 4 slots give 4x one slot's tokens per second.
+    entry = generator_entry(0.0, 10.0)
+    req = SimRequest("generate", prompt_tokens=8, max_tokens=50, model="small")
+
+    def tokens_per_s(slots: int) -> float:
+        knobs = {"max_num_seqs": slots, "max_batch_tokens": 512}
+        pool = Pool("small", [GeneratorReplica("g", knobs, entry)])
+        return Twin({"small": pool}).run(clients=16, requests=[req], duration_s=60).tokens_per_s
+
+    assert tokens_per_s(4) == pytest.approx(4 * tokens_per_s(1), rel=0.08)
+
+
+def test_router_threshold_sends_long_requests_to_large() -> None:
+    entry = generator_entry(5.0, 5.0)
+    pools = {
+        m: Pool(m, [GeneratorReplica(m, {"max_num_seqs": 8}, entry)]) for m in ("small", "large")
+    }
+    router = {"policy": "threshold", "max_small_tokens": 100, "predictor_default_tokens": 48}
+    twin = Twin(pools, router=router)
+    code = SimRequest("generate", prompt_tokens=10, max_tokens=20, model="auto", text="write code")
+    chat = SimRequest("generate", prompt_tokens=10, max_tokens=20, model="auto", text="hello")
+    twin.run(arrivals=[(0.1, code), (0.2, chat)], warmup_s=0)
+    assert [r.model for r in twin.records] == ["large", "small"]
+
+
+def test_cascade_escalates_a_low_confidence_small_answer() -> None:
+    entry = generator_entry(5.0, 5.0)
+    pools = {
+        m: Pool(m, [GeneratorReplica(m, {"max_num_seqs": 8}, entry)]) for m in ("small", "large")
+    }
+    twin = Twin(pools, router={"policy": "cascade", "min_mean_logprob": -1.0})
+    sure = SimRequest("generate", 10, max_tokens=20, output_tokens=5, model="auto")
+    unsure = SimRequest(
+        "generate", 10, max_tokens=20, output_tokens=5, model="auto", small_mean_logprob=-3
+    )
+    result = twin.run(arrivals=[(0.1, sure), (0.2, unsure)], warmup_s=0)
+    assert [r.escalated for r in twin.records] == [False, True]
+    assert result.by_model == {"small": 1, "large": 1}
+
+
+def test_proxy_ceiling_caps_request_rate() -> None:
+    pools = encoder_twin(4, 1.0).pools
+    twin = Twin(pools, Overheads(proxy_rps=100.0))
+    result = twin.run(clients=64, requests=[ONE], duration_s=20, warmup_s=2)
+    assert result.items_per_s == pytest.approx(100.0, rel=0.03)
+
+
+def test_percentile_interpolates() -> None:
+    assert percentile([1, 2, 3, 4], 50) == pytest.approx(2.5)
+    assert percentile([], 99) != percentile([], 99)  # NaN
+
+
+def test_serve_yaml_on_the_cpu_profile_runs_in_seconds() -> None:
+    """The CI case: serve.yaml's embedder and generators on the shipped CPU profile."""
+    profile = load_profile(ROOT / "profiles" / "cpu-2core.json")
+    spec = TwinSpec.from_serve_config(ROOT / "serve.yaml", profile)
+    assert spec.replicas() == {"embedder": 1, "ranker": 1, "small": 1, "large": 1}
+    rng = random.Random(0)
+    embeds = [
+        SimRequest("embed", tuple(rng.randint(4, 128) for _ in range(rng.randint(1, 8))))
+        for _ in range(200)
+    ]
+    result = spec.build().run(clients=32, requests=embeds, duration_s=30, warmup_s=5)
+    # The profile's line, 0.37 ms per padded token on one thread, bounds what one replica
+    # does: at least one token per item, so under 2,800 items/s, and far from nothing.
+    per_token = profile["models"][0]["pass"]["fits"]["line"]["coef"]["padded_tokens"]
+    mean_len = sum(sum(r.lengths) for r in embeds) / sum(r.items for r in embeds)
+    assert 0.5 / (per_token * mean_len / 1000) < result.items_per_s < 1 / (per_token / 1000)
+    gens = [SimRequest("generate", 32, max_tokens=32, output_tokens=16, model="auto")] * 4
+    gen = spec.build().run(clients=4, requests=gens, duration_s=60, warmup_s=5)
+    assert gen.answered > 0 and gen.ttft_p50_ms < gen.p50_ms
+
+
+def test_overlay_changes_replicas_and_knobs() -> None:
+    profile = load_profile(ROOT / "profiles" / "cpu-2core.json")
+    overlay = {"embedder": {"num_replicas": 2, "user_config": {"max_batch_tokens": 2048}}}
+    spec = TwinSpec.from_serve_config(ROOT / "serve.yaml", profile, overlay)
+    assert spec.pools["embedder"].replicas == 2
+    assert spec.pools["embedder"].knobs["max_batch_tokens"] == 2048
+    with pytest.raises(ValueError, match="does not serve"):
+        TwinSpec.from_serve_config(ROOT / "serve.yaml", profile, {"retriever": {}})
