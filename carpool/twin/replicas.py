@@ -15,7 +15,7 @@ where carpool's own code does for deadlines, which the twin does not set.
 from __future__ import annotations
 
 from collections.abc import Mapping
-from dataclasses import dataclass, field
+from dataclasses import KW_ONLY, dataclass, field
 from typing import Any
 
 from carpool.admission import RequestControls, SlotQueue, slot_refusal
@@ -39,6 +39,7 @@ class SimRequest:
     """
 
     kind: str
+    _: KW_ONLY  # every other field by name: a prompt length must never land in ``lengths``
     lengths: tuple[int, ...] = ()
     prompt_tokens: int = 0
     max_tokens: int = 0
@@ -56,6 +57,41 @@ class SimRequest:
     def produced(self) -> int:
         out = self.max_tokens if self.output_tokens is None else self.output_tokens
         return max(1, min(out, self.max_tokens or out))
+
+
+class PointsCurve:
+    """A pass's cost by padded tokens, straight through the profile's measured points.
+
+    A fitted line is least squares in milliseconds, so the largest passes decide it, and a
+    small pass's fixed cost (kernel launches, pooling, Python) reads as nearly free. The
+    measured points carry that cost; between them the twin interpolates linearly (the median
+    of the shapes measured at one size), and past the ends it extends the nearest segment.
+    """
+
+    def __init__(self, points: list[Mapping[str, Any]], feature: str = "padded_tokens") -> None:
+        by_size: dict[float, list[float]] = {}
+        for p in points:
+            by_size.setdefault(float(p[feature]), []).append(float(p["ms"]))
+        if len(by_size) < 2:
+            raise ValueError(f"interpolation needs points at two {feature} sizes at least")
+        self.xs = sorted(by_size)
+        self.ys = [sorted(by_size[x])[len(by_size[x]) // 2] for x in self.xs]
+        self.feature = feature
+
+    def __call__(self, features: Mapping[str, float]) -> float:
+        x, xs, ys = float(features[self.feature]), self.xs, self.ys
+        i = 1
+        while i < len(xs) - 1 and x > xs[i]:
+            i += 1
+        slope = (ys[i] - ys[i - 1]) / (xs[i] - xs[i - 1])
+        return max(0.0, ys[i - 1] + slope * (x - xs[i - 1]))
+
+
+def section_cost(section: Mapping[str, Any], curve: str) -> Any:
+    """``features -> ms`` for a profile section: its chosen fit, or ``points``."""
+    if curve == "points" and len(section.get("points") or []) >= 2:
+        return PointsCurve(section["points"])
+    return lambda features: predict_ms(section, features)
 
 
 class _Future:
@@ -106,10 +142,11 @@ class EncoderReplica:
         entry: Mapping[str, Any],
         scale: float = 1.0,
         request_ms: float = 0.0,
+        curve: str = "points",
     ) -> None:
         self.name = name
         self.server = _Server(batching)
-        self.section = entry["pass"]
+        self.cost = section_cost(entry["pass"], curve)
         self.scale = scale
         # Replica-side work per request outside the forward pass (tokenizing, answering):
         # it holds the replica's compute like a pass does.
@@ -131,7 +168,7 @@ class EncoderReplica:
             "padded_tokens": rows * length,
             "attention": rows * length * length,
         }
-        return self.scale * predict_ms(self.section, features)
+        return self.scale * self.cost(features)
 
     def offer(self, now: float, req: SimRequest, tag: Any) -> RequestError | None:
         """Admission as the replica takes it; an admitted request joins the executor.

@@ -121,6 +121,7 @@ class SimResult:
     by_model: dict[str, int] = field(default_factory=dict)
     escalated: int = 0
     utilisation: dict[str, float] = field(default_factory=dict)
+    keeps_up: bool = True  # set by callers that compare the answered rate with the offered
 
     def as_dict(self) -> dict[str, Any]:
         return {k: (round(v, 3) if isinstance(v, float) else v) for k, v in vars(self).items()}
@@ -327,8 +328,15 @@ class Twin:
         honour_retry_after: bool = True,
         retry_after_s: float = 1.0,
         drain: bool = True,
+        max_requests: int | None = None,
     ) -> SimResult:
-        """Open loop (``arrivals``) or ``clients`` closed-loop clients cycling ``requests``."""
+        """Open loop (``arrivals``) or ``clients`` closed-loop clients cycling ``requests``.
+
+        Closed loop: clients stop sending at ``duration_s`` (or after ``max_requests``
+        sends). With ``drain`` (the benchmark harness's way) requests in flight then finish
+        and count, over the span from the first send to the last answer; without it the
+        figures are what completed in [warmup_s, duration_s].
+        """
         if (arrivals is None) == (clients <= 0):
             raise ValueError("give either arrivals (open loop) or clients > 0 (closed loop)")
         if arrivals is not None:
@@ -336,28 +344,35 @@ class Twin:
                 self.at(t, lambda r=req: self.send(r))
             self._loop(math.inf if drain else max((t for t, _ in arrivals), default=0.0))
             return self._result(warmup_s, None)
-        else:
-            if not requests:
-                raise ValueError("closed-loop clients need requests to send")
-            order = itertools.cycle(range(len(requests)))
+        if not requests:
+            raise ValueError("closed-loop clients need requests to send")
+        order = itertools.count()
+        limit = math.inf if max_requests is None else max_requests
 
-            def client(req: SimRequest | None = None) -> None:
-                if self.now >= duration_s:
+        def client(req: SimRequest | None = None) -> None:
+            if self.now >= duration_s:
+                return
+            if req is None:
+                index = next(order)
+                if index >= limit:
                     return
-                nxt = req if req is not None else requests[next(order)]
+                req = requests[index % len(requests)]
 
-                def answered(rec: Record) -> None:
-                    if rec.status == 503 and honour_retry_after:
-                        self.at(self.now + retry_after_s, lambda: client(rec.req))
-                    else:
-                        client()
+            def answered(rec: Record) -> None:
+                if rec.status == 503 and honour_retry_after:
+                    self.at(self.now + retry_after_s, lambda: client(rec.req))
+                else:
+                    client()
 
-                self.send(nxt, answered)
+            self.send(req, answered)
 
-            for i in range(clients):
-                # Clients start a few microseconds apart, as a load generator's tasks do.
-                self.at(i * 1e-5, client)
-            self._loop(duration_s)
+        for i in range(clients):
+            # Clients start a few microseconds apart, as a load generator's tasks do.
+            self.at(i * 1e-5, client)
+        if drain:
+            self._loop(math.inf)
+            return self._result(warmup_s, None)
+        self._loop(duration_s)
         return self._result(warmup_s, duration_s)
 
     def _result(self, lo: float, hi: float | None) -> SimResult:

@@ -45,19 +45,25 @@ def encoder_twin(replicas: int, const_ms: float, **knobs: object) -> Twin:
     return Twin({"embedder": pool})
 
 
-ONE = SimRequest("embed", (16,))
+ONE = SimRequest("embed", lengths=(16,))
 
 
 def test_closed_loop_one_server_follows_littles_law() -> None:
-    result = encoder_twin(1, 50.0).run(clients=8, requests=[ONE], duration_s=60, warmup_s=10)
+    result = encoder_twin(1, 50.0).run(
+        clients=8, requests=[ONE], duration_s=60, warmup_s=10, drain=False
+    )
     assert result.items_per_s == pytest.approx(1000 / 50, rel=0.02)
     # Every client waits behind the other seven: latency = N x C.
     assert result.p50_ms == pytest.approx(8 * 50, rel=0.02)
 
 
 def test_doubling_replicas_doubles_capacity() -> None:
-    one = encoder_twin(1, 40.0).run(clients=16, requests=[ONE], duration_s=60, warmup_s=10)
-    two = encoder_twin(2, 40.0).run(clients=16, requests=[ONE], duration_s=60, warmup_s=10)
+    one = encoder_twin(1, 40.0).run(
+        clients=16, requests=[ONE], duration_s=60, warmup_s=10, drain=False
+    )
+    two = encoder_twin(2, 40.0).run(
+        clients=16, requests=[ONE], duration_s=60, warmup_s=10, drain=False
+    )
     assert two.items_per_s == pytest.approx(2 * one.items_per_s, rel=0.03)
     assert two.p50_ms == pytest.approx(one.p50_ms / 2, rel=0.1)
 
@@ -66,7 +72,7 @@ def test_executor_merges_waiting_requests_into_one_pass() -> None:
     # A constant 100 ms pass, room for 64 items and a 10 ms collection window: all 32
     # clients ride every pass, one pass per 110 ms.
     twin = encoder_twin(1, 100.0, max_batch_size=64, batch_wait_timeout_s=0.01)
-    result = twin.run(clients=32, requests=[ONE], duration_s=30, warmup_s=5)
+    result = twin.run(clients=32, requests=[ONE], duration_s=30, warmup_s=5, drain=False)
     assert result.items_per_s == pytest.approx(32 * 1000 / 110, rel=0.03)
     assert result.p50_ms == pytest.approx(110, rel=0.03)
 
@@ -75,7 +81,7 @@ def test_without_a_window_closed_clients_lock_into_alternating_passes() -> None:
     # No wait: the first client's request starts a pass alone, the other 31 ride the next,
     # and the two groups alternate: 32 items per two passes, what the executor plans.
     twin = encoder_twin(1, 100.0, max_batch_size=64)
-    result = twin.run(clients=32, requests=[ONE], duration_s=30, warmup_s=5)
+    result = twin.run(clients=32, requests=[ONE], duration_s=30, warmup_s=5, drain=False)
     assert result.items_per_s == pytest.approx(32 * 1000 / 200, rel=0.03)
 
 
@@ -84,7 +90,7 @@ def test_padding_costs_what_the_line_says() -> None:
     batching = BatchingConfig.model_validate({"max_batch_size": 1})
     pool = Pool("embedder", [EncoderReplica("e", batching, encoder_entry(0.0, 1.0))])
     result = Twin({"embedder": pool}).run(
-        clients=4, requests=[SimRequest("embed", (64,))], duration_s=30, warmup_s=5
+        clients=4, requests=[SimRequest("embed", lengths=(64,))], duration_s=30, warmup_s=5
     )
     assert result.items_per_s == pytest.approx(1000 / 64, rel=0.03)
 
@@ -131,7 +137,9 @@ def test_generator_ttft_and_tpot_follow_step_costs() -> None:
     entry = generator_entry(30.0, 10.0)
     pool = Pool("small", [GeneratorReplica("g", {"max_num_seqs": 8}, entry)])
     req = SimRequest("generate", prompt_tokens=20, max_tokens=11, model="small")
-    result = Twin({"small": pool}).run(clients=1, requests=[req], duration_s=20, warmup_s=2)
+    result = Twin({"small": pool}).run(
+        clients=1, requests=[req], duration_s=20, warmup_s=2, drain=False
+    )
     assert result.ttft_p50_ms == pytest.approx(30.0, rel=0.01)
     assert result.tpot_ms == pytest.approx(10.0, rel=0.01)
     assert result.p50_ms == pytest.approx(30 + 10 * 10, rel=0.01)
@@ -146,7 +154,11 @@ def test_generator_slots_bound_concurrency() -> None:
     def tokens_per_s(slots: int) -> float:
         knobs = {"max_num_seqs": slots, "max_batch_tokens": 512}
         pool = Pool("small", [GeneratorReplica("g", knobs, entry)])
-        return Twin({"small": pool}).run(clients=16, requests=[req], duration_s=60).tokens_per_s
+        return (
+            Twin({"small": pool})
+            .run(clients=16, requests=[req], duration_s=60, drain=False)
+            .tokens_per_s
+        )
 
     assert tokens_per_s(4) == pytest.approx(4 * tokens_per_s(1), rel=0.08)
 
@@ -170,9 +182,14 @@ def test_cascade_escalates_a_low_confidence_small_answer() -> None:
         m: Pool(m, [GeneratorReplica(m, {"max_num_seqs": 8}, entry)]) for m in ("small", "large")
     }
     twin = Twin(pools, router={"policy": "cascade", "min_mean_logprob": -1.0})
-    sure = SimRequest("generate", 10, max_tokens=20, output_tokens=5, model="auto")
+    sure = SimRequest("generate", prompt_tokens=10, max_tokens=20, output_tokens=5, model="auto")
     unsure = SimRequest(
-        "generate", 10, max_tokens=20, output_tokens=5, model="auto", small_mean_logprob=-3
+        "generate",
+        prompt_tokens=10,
+        max_tokens=20,
+        output_tokens=5,
+        model="auto",
+        small_mean_logprob=-3,
     )
     result = twin.run(arrivals=[(0.1, sure), (0.2, unsure)], warmup_s=0)
     assert [r.escalated for r in twin.records] == [False, True]
@@ -182,8 +199,17 @@ def test_cascade_escalates_a_low_confidence_small_answer() -> None:
 def test_proxy_ceiling_caps_request_rate() -> None:
     pools = encoder_twin(4, 1.0).pools
     twin = Twin(pools, Overheads(proxy_rps=100.0))
-    result = twin.run(clients=64, requests=[ONE], duration_s=20, warmup_s=2)
+    result = twin.run(clients=64, requests=[ONE], duration_s=20, warmup_s=2, drain=False)
     assert result.items_per_s == pytest.approx(100.0, rel=0.03)
+
+
+def test_closed_loop_with_a_request_budget_drains_like_the_harness() -> None:
+    # 10 requests of 50 ms, one pass each on one replica: all answered, over 500 ms.
+    twin = encoder_twin(1, 50.0)
+    result = twin.run(clients=2, requests=[ONE], max_requests=10, warmup_s=0)
+    assert result.answered == 10
+    assert result.window_s == pytest.approx(0.5, rel=0.01)
+    assert result.items_per_s == pytest.approx(20.0, rel=0.01)
 
 
 def test_percentile_interpolates() -> None:
@@ -198,16 +224,18 @@ def test_serve_yaml_on_the_cpu_profile_runs_in_seconds() -> None:
     assert spec.replicas() == {"embedder": 1, "ranker": 1, "small": 1, "large": 1}
     rng = random.Random(0)
     embeds = [
-        SimRequest("embed", tuple(rng.randint(4, 128) for _ in range(rng.randint(1, 8))))
+        SimRequest("embed", lengths=tuple(rng.randint(4, 128) for _ in range(rng.randint(1, 8))))
         for _ in range(200)
     ]
-    result = spec.build().run(clients=32, requests=embeds, duration_s=30, warmup_s=5)
+    result = spec.build().run(clients=32, requests=embeds, duration_s=30, warmup_s=5, drain=False)
     # The profile's line, 0.37 ms per padded token on one thread, bounds what one replica
     # does: at least one token per item, so under 2,800 items/s, and far from nothing.
     per_token = profile["models"][0]["pass"]["fits"]["line"]["coef"]["padded_tokens"]
     mean_len = sum(sum(r.lengths) for r in embeds) / sum(r.items for r in embeds)
     assert 0.5 / (per_token * mean_len / 1000) < result.items_per_s < 1 / (per_token / 1000)
-    gens = [SimRequest("generate", 32, max_tokens=32, output_tokens=16, model="auto")] * 4
+    gens = [
+        SimRequest("generate", prompt_tokens=32, max_tokens=32, output_tokens=16, model="auto")
+    ] * 4
     gen = spec.build().run(clients=4, requests=gens, duration_s=60, warmup_s=5)
     assert gen.answered > 0 and gen.ttft_p50_ms < gen.p50_ms
 

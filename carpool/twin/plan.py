@@ -1,0 +1,296 @@
+"""The planner: replica counts and batching knobs for a traffic mix and an SLO, found with the twin.
+
+For each request kind (``embed`` -> embedder, ``rank`` -> ranker, ``generate`` -> small and
+large behind the router) the planner tries a small grid of knobs around the config's own
+(``max_batch_tokens`` and ``pass_overhead_tokens`` for encoders, ``max_num_seqs`` and
+``max_batch_tokens`` for generators, the router's ``max_in_flight_per_replica``) and, for
+each, adds replicas to the busiest model until the twin says the SLO holds at the offered
+traffic; it keeps the cheapest (GPUs, then cores, then p99). Kinds use disjoint deployments,
+so they are planned apart; what they share (the HTTP proxies, the router) is checked against
+its documented ceiling afterwards (``bottlenecks``). ``--gpus N`` instead finds the largest
+multiple of the traffic whose cheapest plan fits in N GPUs.
+"""
+
+from __future__ import annotations
+
+import copy
+import math
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from carpool.twin.sim import Overheads, SimResult
+from carpool.twin.topology import ENCODERS, TwinSpec, _load
+from carpool.twin.traffic import Traffic
+
+ROLES_OF = {"embed": ("embedder",), "rank": ("ranker",), "generate": ("small", "large")}
+# PLATFORM.md, measured on the 2-core machines: one Serve HTTP proxy tops out at about
+# 210-300 requests/s (a no-op batched app), a DeploymentHandle from Python at about 450/s.
+PROXY_RPS = 250.0
+HANDLE_RPS = 450.0
+MAX_REPLICAS = 64  # per model: the search stops there and reports the SLO missed
+# An SLO met in a short window by a queue that still grows is not met: the answered rate
+# must keep up with the offered one (Poisson noise over a few thousand requests is ~2%).
+KEEP_UP = 0.95
+
+
+@dataclass
+class Slo:
+    """Per kind: the p99 latency bound (ms); for generation the TTFT p99 bound too."""
+
+    p99_ms: dict[str, float] = field(default_factory=dict)
+    ttft_p99_ms: float | None = None
+
+    @classmethod
+    def parse(cls, text: str) -> Slo:
+        """``p99_ms=500`` (every kind; generation: its TTFT), or per kind:
+        ``embed.p99_ms=300,generate.ttft_p99_ms=1000,generate.p99_ms=30000``."""
+        slo = cls()
+        for part in filter(None, (p.strip() for p in text.split(","))):
+            key, sep, value = part.partition("=")
+            if not sep:
+                raise ValueError(f"SLO {part!r}: write NAME=MS, e.g. p99_ms=500")
+            kind, _, name = key.rpartition(".")
+            if name == "p99_ms":
+                for k in [kind] if kind else ["embed", "rank"]:
+                    slo.p99_ms[k] = float(value)
+                if not kind and slo.ttft_p99_ms is None:
+                    slo.ttft_p99_ms = float(value)
+            elif name == "ttft_p99_ms" and kind in ("", "generate"):
+                slo.ttft_p99_ms = float(value)
+            else:
+                raise ValueError(f"SLO {key!r}: use p99_ms, KIND.p99_ms or generate.ttft_p99_ms")
+        return slo
+
+    def met(self, kind: str, r: SimResult) -> bool:
+        if r.answered == 0 or r.refused > 0:
+            return False
+        if kind in self.p99_ms and not r.p99_ms <= self.p99_ms[kind]:
+            return False
+        return not (
+            kind == "generate" and self.ttft_p99_ms and not r.ttft_p99_ms <= self.ttft_p99_ms
+        )
+
+
+@dataclass
+class Choice:
+    kind: str
+    overlay: dict[str, Any]
+    replicas: dict[str, int]
+    gpus: float
+    cpus: float
+    result: SimResult
+    met: bool
+
+    def row(self, price_gpu_h: float, price_cpu_h: float) -> dict[str, Any]:
+        r = self.result
+        per_s = r.tokens_per_s if self.kind == "generate" else r.items_per_s
+        hourly = self.gpus * price_gpu_h + self.cpus * price_cpu_h
+        return {
+            "kind": self.kind,
+            "replicas": self.replicas,
+            "knobs": {
+                k: v.get("user_config", {}) for k, v in self.overlay.items() if k != "router"
+            },
+            "throughput": round(per_s, 1),
+            "unit": "tokens/s" if self.kind == "generate" else "items/s",
+            "p50_ms": round(r.p50_ms, 1),
+            "p99_ms": round(r.p99_ms, 1),
+            "ttft_p99_ms": None if math.isnan(r.ttft_p99_ms) else round(r.ttft_p99_ms, 1),
+            "gpus": round(self.gpus, 3),
+            "cpus": round(self.cpus, 3),
+            "usd_per_million": round(hourly / max(per_s * 3600, 1e-9) * 1e6, 4),
+            "slo_met": self.met,
+        }
+
+
+def _resources(config: Mapping[str, Any]) -> dict[str, tuple[float, float]]:
+    """(num_gpus, num_cpus) per replica of each model role, from the config's args."""
+    out: dict[str, tuple[float, float]] = {}
+    for app in config.get("applications") or []:
+        for role, body in (app.get("args") or {}).items():
+            if isinstance(body, dict) and isinstance(body.get("replica"), dict):
+                rep = body["replica"]
+                out.setdefault(
+                    role, (float(rep.get("num_gpus") or 0), float(rep.get("num_cpus") or 0))
+                )
+    return out
+
+
+def knob_grid(role: str, knobs: Mapping[str, Any]) -> list[dict[str, Any]]:
+    """The config's knobs and a few neighbours (halving and doubling the ones that matter)."""
+    if role in ENCODERS:
+        mbt = int(knobs.get("max_batch_tokens", 8192))
+        over = int(knobs.get("pass_overhead_tokens", 128))
+        grid = [{}]
+        grid += [{"max_batch_tokens": v} for v in (mbt // 4, mbt // 2, mbt * 2) if v >= 512]
+        grid += [{"pass_overhead_tokens": v} for v in (max(8, over // 4), over * 4)]
+        return grid
+    seqs = int(knobs.get("max_num_seqs", 64))
+    mbt = int(knobs.get("max_batch_tokens", 512))
+    grid = [{}]
+    grid += [{"max_num_seqs": v} for v in (seqs // 2, seqs * 2) if 1 <= v <= mbt and v <= 256]
+    grid += [{"max_batch_tokens": mbt * 4}]
+    return grid
+
+
+class Planner:
+    def __init__(
+        self,
+        config: str | Path | Mapping[str, Any],
+        profile: Mapping[str, Any],
+        slo: Slo,
+        dtype: str | None = None,
+        threads: int | None = None,
+        duration_s: float = 30.0,
+        requests_per_run: int = 2500,
+        overheads: Overheads | None = None,
+    ) -> None:
+        self.config = _load(config)
+        self.profile = profile
+        self.slo = slo
+        self.dtype, self.threads = dtype, threads
+        self.duration_s = duration_s
+        self.requests_per_run = requests_per_run
+        self.overheads = overheads or Overheads()
+        self.resources = _resources(self.config)
+        self.base = TwinSpec.from_serve_config(self.config, profile, dtype=dtype, threads=threads)
+
+    def _cost(self, replicas: Mapping[str, int]) -> tuple[float, float]:
+        gpus = sum(n * self.resources.get(r, (0.0, 0.0))[0] for r, n in replicas.items())
+        cpus = sum(n * self.resources.get(r, (0.0, 0.0))[1] for r, n in replicas.items())
+        return gpus, cpus
+
+    def evaluate(
+        self, kind: str, overlay: dict[str, Any], traffic: Traffic, seed: int = 0
+    ) -> SimResult:
+        roles = ROLES_OF[kind]
+        spec = TwinSpec.from_serve_config(
+            self.config, self.profile, overlay, self.dtype, self.threads, roles=roles
+        )
+        spec.overheads = copy.deepcopy(self.overheads)
+        rate = traffic.rates().get(kind, 0.0)
+        # Enough requests for a p99 (a few thousand), at most duration_s of traffic.
+        duration = max(2.0, min(self.duration_s, self.requests_per_run / max(rate, 1e-9)))
+        arrivals = traffic.arrivals(duration, seed)[kind]
+        warmup = min(2.0, duration / 5)
+        result = spec.build(seed).run(arrivals=arrivals, warmup_s=warmup)
+        offered = sum(1 for t, _ in arrivals if t >= warmup) / max(duration - warmup, 1e-9)
+        result.keeps_up = result.answered / max(result.window_s, 1e-9) >= KEEP_UP * offered
+        return result
+
+    def plan_kind(
+        self, kind: str, traffic: Traffic, max_gpus: float | None = None
+    ) -> Choice | None:
+        """The cheapest (knobs, replicas) meeting the SLO at this traffic, or the best miss."""
+        roles = [r for r in ROLES_OF[kind] if r in self.base.pools]
+        if not roles or traffic.rates().get(kind, 0) <= 0:
+            return None
+        grids = [(r, g) for r in roles for g in knob_grid(r, self.base.pools[r].knobs)]
+        best: Choice | None = None
+        for role, knobs in grids:
+            replicas = {r: 1 for r in roles}
+            while True:
+                overlay = {r: {"num_replicas": n} for r, n in replicas.items()}
+                if knobs:
+                    overlay[role]["user_config"] = dict(knobs)
+                result = self.evaluate(kind, overlay, traffic)
+                gpus, cpus = self._cost(replicas)
+                met = self.slo.met(kind, result) and result.keeps_up
+                choice = Choice(kind, overlay, dict(replicas), gpus, cpus, result, met)
+                if met or (max_gpus is not None and gpus > max_gpus):
+                    break
+                busiest = max(roles, key=lambda r: _utilisation(result, r))
+                if replicas[busiest] >= MAX_REPLICAS:
+                    break
+                replicas[busiest] += 1
+            if best is None or _better(choice, best):
+                best = choice
+        return best
+
+    def plan(self, traffic: Traffic) -> dict[str, Choice]:
+        return {k: c for k in ROLES_OF if (c := self.plan_kind(k, traffic)) is not None}
+
+    def fit_gpus(
+        self, traffic: Traffic, gpus: float, steps: int = 7
+    ) -> tuple[float, dict[str, Choice]]:
+        """The largest multiple of ``traffic`` whose plan meets the SLO within ``gpus``."""
+        lo, hi, found = 0.0, 1.0, self.plan(traffic.scaled(1e-3))
+        # Grow until it no longer fits, then bisect (on a log scale).
+        while True:
+            plan = self.plan(traffic.scaled(hi))
+            if _fits(plan, gpus):
+                lo, found, hi = hi, plan, hi * 4
+                if hi > 1e6:
+                    break
+            else:
+                break
+        for _ in range(steps):
+            mid = math.sqrt(max(lo, hi / 64) * hi)
+            plan = self.plan(traffic.scaled(mid))
+            if _fits(plan, gpus):
+                lo, found = mid, plan
+            else:
+                hi = mid
+        return lo, found
+
+
+def _utilisation(result: SimResult, role: str) -> float:
+    mine = [v for k, v in result.utilisation.items() if k.startswith(role + "-")]
+    return sum(mine) / len(mine) if mine else 0.0
+
+
+def _better(a: Choice, b: Choice) -> bool:
+    if a.met != b.met:
+        return a.met
+    if not a.met:  # both miss: the one closer to its target
+        return a.result.p99_ms < b.result.p99_ms
+    return (a.gpus, a.cpus, a.result.p99_ms) < (b.gpus, b.cpus, b.result.p99_ms)
+
+
+def _fits(plan: Mapping[str, Choice], gpus: float) -> bool:
+    return all(c.met for c in plan.values()) and sum(c.gpus for c in plan.values()) <= gpus + 1e-9
+
+
+def overlay_of(plan: Mapping[str, Choice]) -> dict[str, Any]:
+    """The serve-config overlay: per deployment, num_replicas and the knobs that changed."""
+    out: dict[str, Any] = {}
+    for choice in plan.values():
+        for role, body in choice.overlay.items():
+            out[role] = copy.deepcopy(body)
+    return out
+
+
+def apply_overlay(config: Mapping[str, Any], overlay: Mapping[str, Any]) -> dict[str, Any]:
+    """The serve config with the overlay applied: fixed replica counts (autoscaling removed,
+    the twin sized them) and merged ``user_config``."""
+    doc = copy.deepcopy(dict(config))
+    for app in doc.get("applications") or []:
+        for dep in app.get("deployments") or []:
+            body = overlay.get(dep.get("name"))
+            if not body:
+                continue
+            if "num_replicas" in body:
+                dep.pop("autoscaling_config", None)
+                dep["num_replicas"] = body["num_replicas"]
+            if body.get("user_config"):
+                dep["user_config"] = {**(dep.get("user_config") or {}), **body["user_config"]}
+    return doc
+
+
+def bottlenecks(
+    traffic: Traffic, gpus: float, gpus_per_node: int = 8, router_replicas: int = 2
+) -> dict[str, Any]:
+    """Load on what every request shares, against documented ceilings (PLATFORM.md)."""
+    rates = traffic.rates()
+    total = sum(rates.values())
+    nodes = max(1, math.ceil(gpus / gpus_per_node))
+    proxies = nodes + 1  # proxy_location: EveryNode, the head node included
+    return {
+        "requests_per_s": round(total, 1),
+        "proxies": proxies,
+        "proxy_load": round(total / (proxies * PROXY_RPS), 3),
+        "router_load": round(rates.get("generate", 0.0) / (router_replicas * HANDLE_RPS), 3),
+        "ceilings": {"proxy_rps": PROXY_RPS, "router_handle_rps": HANDLE_RPS},
+    }

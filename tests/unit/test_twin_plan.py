@@ -1,0 +1,127 @@
+"""The planner and traffic descriptions, on hand-made costs whose answers follow by arithmetic."""
+
+from __future__ import annotations
+
+import pytest
+
+from carpool.twin.plan import Planner, Slo, apply_overlay, bottlenecks, knob_grid, overlay_of
+from carpool.twin.traffic import load_trace, mix_from_mapping, parse_traffic
+
+# One embedder replica: a pass of one item costs 100 ms, so a replica answers 10 requests/s.
+PROFILE = {
+    "name": "hand-made",
+    "models": [
+        {
+            "role": "embedder",
+            "kind": "encoder",
+            "device": "cpu",
+            "dtype": "float32",
+            "pass": {
+                "fits": {"line": {"coef": {"const": 100.0, "padded_tokens": 0}}},
+                "use": "line",
+            },
+        }
+    ],
+}
+CONFIG = {
+    "applications": [
+        {
+            "name": "embed",
+            "args": {
+                "embedder": {"source": {"model": "x"}, "replica": {"num_cpus": 1, "num_gpus": 0.5}}
+            },
+            "deployments": [
+                {
+                    "name": "embedder",
+                    "autoscaling_config": {"min_replicas": 1, "max_replicas": 4},
+                    "user_config": {"max_batch_size": 1},
+                }
+            ],
+        }
+    ]
+}
+
+
+def one_item(rate: float):
+    """``rate`` requests/s of one 16-token text each: one 100 ms pass per request."""
+    return mix_from_mapping({"embed": {"rate": rate, "items": [1, 1], "median": 16, "sigma": 0}})
+
+
+def planner(p99_ms: float) -> Planner:
+    return Planner(CONFIG, PROFILE, Slo.parse(f"p99_ms={p99_ms}"), requests_per_run=600)
+
+
+def test_slo_parsing() -> None:
+    slo = Slo.parse("p99_ms=500")
+    assert slo.p99_ms == {"embed": 500, "rank": 500} and slo.ttft_p99_ms == 500
+    slo = Slo.parse("embed.p99_ms=300,generate.ttft_p99_ms=900")
+    assert slo.p99_ms == {"embed": 300} and slo.ttft_p99_ms == 900
+    with pytest.raises(ValueError, match="p99_ms"):
+        Slo.parse("latency=3")
+
+
+def test_planner_adds_replicas_until_the_slo_holds() -> None:
+    # 15 requests/s on 10/s replicas: one replica drowns, two run at 75% and meet 2 s.
+    plan = planner(2000).plan(one_item(15))
+    choice = plan["embed"]
+    assert choice.met
+    assert choice.replicas == {"embedder": 2}
+    assert choice.gpus == pytest.approx(1.0)
+    assert choice.result.items_per_s == pytest.approx(15, rel=0.15)
+
+
+def test_a_tighter_slo_costs_more_replicas() -> None:
+    loose = planner(3000).plan(one_item(15))["embed"]
+    tight = planner(250).plan(one_item(15))["embed"]
+    assert tight.met and tight.replicas["embedder"] > loose.replicas["embedder"]
+
+
+def test_gpu_budget_bounds_the_traffic() -> None:
+    # 2 GPUs hold 4 replicas, 40 requests/s at most: the multiple of 5/s is at most 8.
+    scale, plan = planner(2000).fit_gpus(one_item(5), gpus=2.0, steps=4)
+    assert 4.0 <= scale <= 8.0 + 1e-9
+    assert sum(c.gpus for c in plan.values()) <= 2.0
+
+
+def test_overlay_fixes_replicas_and_merges_knobs() -> None:
+    plan = planner(2000).plan(one_item(15))
+    overlay = overlay_of(plan)
+    planned = apply_overlay(CONFIG, overlay)
+    dep = planned["applications"][0]["deployments"][0]
+    assert dep["num_replicas"] == 2 and "autoscaling_config" not in dep
+    assert dep["user_config"]["max_batch_size"] == 1
+
+
+def test_knob_grid_keeps_the_configured_knobs_first() -> None:
+    grid = knob_grid("embedder", {"max_batch_tokens": 8192, "pass_overhead_tokens": 128})
+    assert grid[0] == {} and {"max_batch_tokens": 2048} in grid
+    assert {"pass_overhead_tokens": 32} in grid
+    assert knob_grid("small", {"max_num_seqs": 64, "max_batch_tokens": 512})[0] == {}
+
+
+def test_traffic_mix_rates_and_trace(tmp_path) -> None:
+    traffic = parse_traffic("embed=20,generate=2")
+    arrivals = traffic.arrivals(100.0, seed=1)
+    assert len(arrivals["embed"]) == pytest.approx(2000, rel=0.1)
+    assert all(r.kind == "generate" for _, r in arrivals["generate"])
+    assert traffic.scaled(2).rates() == {"embed": 40, "generate": 4}
+    csv = tmp_path / "t.csv"
+    csv.write_text(
+        "TIMESTAMP,ContextTokens,GeneratedTokens\n"
+        "2023-11-16 18:15:46.0000000,100,10\n"
+        "2023-11-16 18:15:48.0000000,200,20\n"
+        "2023-11-16 18:15:50.0000000,300,30\n"
+    )
+    # 3 requests over 4 s (0.75/s), compressed 4x in time to 3/s.
+    trace = load_trace(str(csv), rate=3.0)
+    assert trace.trace is not None
+    assert [t for t, _ in trace.trace] == pytest.approx([0.0, 0.5, 1.0])
+    assert trace.trace[1][1].prompt_tokens == 200
+    with pytest.raises(ValueError, match="KIND=RATE"):
+        parse_traffic("embed")
+
+
+def test_bottlenecks_count_proxies_per_node() -> None:
+    b = bottlenecks(parse_traffic("embed=1000"), gpus=16)
+    assert b["proxies"] == 3  # two 8-GPU nodes and the head
+    assert b["proxy_load"] == pytest.approx(1000 / (3 * 250), rel=1e-3)
