@@ -122,6 +122,16 @@ class EngineCore(ABC):
     def close(self) -> None:
         """Stops the engine."""
 
+    def _stalled(self, busy: int) -> str | None:
+        """Why an engine holding ``busy`` sequences looks wedged (no step for stall_s)."""
+        idle_for = time.monotonic() - self.last_progress
+        if busy and idle_for > self.stall_s:
+            return (
+                f"the engine has {busy} sequences but finished no step for {idle_for:.0f} s "
+                f"(stall limit {self.stall_s:g} s)"
+            )
+        return None
+
     def set_limits(self, max_num_seqs: int, max_batch_tokens: int) -> None:
         """Applies new bounds (from reconfigure); running sequences above them finish normally."""
         SchedulerLimits(max_num_seqs, max_batch_tokens)  # validates before anything changes

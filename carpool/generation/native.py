@@ -101,14 +101,7 @@ class ThreadedEngine(EngineCore):
             return "the engine is closed"
         if thread is not None and not thread.is_alive():
             return f"the engine thread {thread.name!r} died"
-        busy = self.num_waiting() + int(self.stats().get("running", 0))
-        idle_for = time.monotonic() - self.last_progress
-        if busy and idle_for > self.stall_s:
-            return (
-                f"the engine has {busy} sequences but finished no step for {idle_for:.0f} s "
-                f"(stall limit {self.stall_s:g} s)"
-            )
-        return None
+        return self._stalled(self.num_waiting() + int(self.stats().get("running", 0)))
 
     # --- engine thread ------------------------------------------------------------------
 

@@ -229,14 +229,7 @@ class VllmEngine(EngineCore):
             return "the engine is closed"
         if self.llm.errored:
             return f"vLLM's engine core died: {self.llm.dead_error}"
-        busy = len(self._flights)
-        idle_for = time.monotonic() - self.last_progress
-        if busy and idle_for > self.stall_s:
-            return (
-                f"the engine has {busy} sequences but finished no step for {idle_for:.0f} s "
-                f"(stall limit {self.stall_s:g} s)"
-            )
-        return None
+        return self._stalled(len(self._flights))
 
     # --- per sequence ---------------------------------------------------------------------
 
@@ -408,19 +401,3 @@ def _stat_logger_factory(engine: VllmEngine) -> Any:
             pass
 
     return CarpoolStatLogger
-
-
-def make_vllm_engine(
-    model_path: str,
-    options: VllmOptions,
-    tokenizer: TokenizerInfo,
-    limits: SchedulerLimits,
-    max_seq_len: int,
-    dtype: str,
-    bytes_per_token: int = 0,
-    device: str = "cpu",
-) -> VllmEngine:
-    """Builds a ``VllmEngine`` (``make_engine`` calls it for mode 'vllm')."""
-    return VllmEngine(
-        model_path, options, tokenizer, limits, max_seq_len, dtype, bytes_per_token, device
-    )
