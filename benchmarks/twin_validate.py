@@ -176,7 +176,7 @@ def measure_generation(args: Any) -> dict[str, Any]:
     out: dict[str, Any] = {"knobs": GEN_KNOBS, "model": args.gen_model}
     out["prompt_tokens"] = prompt_tokens(args.gen_model)
     for clients in args.gen_clients:
-        requests = clients if clients >= 64 else 4 * clients
+        requests = min(64, max(16, 2 * clients))  # two waves where it fits in a minute
         path = Path(args.out).with_suffix(f".gen{clients}.json")
         cmd = [
             sys.executable, "-m", "benchmarks.generation_compare", "--modes", "continuous",

@@ -30,9 +30,9 @@ ROLES_OF = {"embed": ("embedder",), "rank": ("ranker",), "generate": ("small", "
 PROXY_RPS = 250.0
 HANDLE_RPS = 450.0
 MAX_REPLICAS = 64  # per model: the search stops there and reports the SLO missed
-# An SLO met in a short window by a queue that still grows is not met: the answered rate
-# must keep up with the offered one (Poisson noise over a few thousand requests is ~2%).
-KEEP_UP = 0.95
+# An SLO met in a short window by a queue that still grows is not met (``keeps_up``).
+GROWTH = 1.5
+SATURATED = 0.97
 
 
 @dataclass
@@ -82,6 +82,8 @@ class Choice:
     cpus: float
     result: SimResult
     met: bool
+    role: str = ""  # whose knobs changed ("router" for the router's)
+    knobs: dict[str, Any] = field(default_factory=dict)
 
     def row(self, price_gpu_h: float, price_cpu_h: float) -> dict[str, Any]:
         r = self.result
@@ -156,6 +158,8 @@ class Planner:
         self.overheads = overheads or Overheads()
         self.resources = _resources(self.config)
         self.base = TwinSpec.from_serve_config(self.config, profile, dtype=dtype, threads=threads)
+        # Kinds whose knobs are settled (fit_gpus searches replicas only, at every scale).
+        self.fixed: dict[str, tuple[str, dict[str, Any]]] = {}
 
     def _cost(self, replicas: Mapping[str, int]) -> tuple[float, float]:
         gpus = sum(n * self.resources.get(r, (0.0, 0.0))[0] for r, n in replicas.items())
@@ -175,9 +179,21 @@ class Planner:
         duration = max(2.0, min(self.duration_s, self.requests_per_run / max(rate, 1e-9)))
         arrivals = traffic.arrivals(duration, seed)[kind]
         warmup = min(2.0, duration / 5)
-        result = spec.build(seed).run(arrivals=arrivals, warmup_s=warmup)
-        offered = sum(1 for t, _ in arrivals if t >= warmup) / max(duration - warmup, 1e-9)
-        result.keeps_up = result.answered / max(result.window_s, 1e-9) >= KEEP_UP * offered
+        twin = spec.build(seed)
+        result = twin.run(arrivals=arrivals, warmup_s=warmup)
+        done = sorted((r for r in twin.records if r.ended is not None), key=lambda r: r.sent)
+        bound = max(self.slo.p99_ms.get(kind, 0.0), self.slo.ttft_p99_ms or 0.0, 100.0)
+        # A generator's queue shows in the wait for a first token; an encoder's in latency.
+        waits = [
+            ((r.first_token if kind == "generate" and r.first_token else r.ended) - r.sent) * 1000
+            for r in done
+        ]  # type: ignore[operator]
+        result.keeps_up = keeps_up(waits, bound)
+        if kind != "generate":
+            # A batching encoder busy nearly all the time is at capacity (a generator is busy
+            # whenever one sequence runs, so its utilisation says nothing of the kind).
+            busy = max(result.utilisation.values(), default=0.0)
+            result.keeps_up = result.keeps_up and busy < SATURATED
         return result
 
     def plan_kind(
@@ -188,52 +204,108 @@ class Planner:
         if not roles or traffic.rates().get(kind, 0) <= 0:
             return None
         grids = [(r, g) for r in roles for g in knob_grid(r, self.base.pools[r].knobs)]
+        if kind == "generate" and self.base.router is not None:
+            # The router's in-flight cap per replica: up to each model's max_num_seqs, so
+            # requests wait in the engine (which batches them) rather than in the lanes.
+            seqs = {r: int(self.base.pools[r].knobs.get("max_num_seqs", 16)) for r in roles}
+            grids.append(("router", {"max_in_flight_per_replica": seqs}))
+        if kind in self.fixed:
+            grids = [self.fixed[kind]]
         best: Choice | None = None
         for role, knobs in grids:
-            replicas = {r: 1 for r in roles}
-            while True:
-                overlay = {r: {"num_replicas": n} for r, n in replicas.items()}
-                if knobs:
-                    overlay[role]["user_config"] = dict(knobs)
-                result = self.evaluate(kind, overlay, traffic)
-                gpus, cpus = self._cost(replicas)
-                met = self.slo.met(kind, result) and result.keeps_up
-                choice = Choice(kind, overlay, dict(replicas), gpus, cpus, result, met)
-                if met or (max_gpus is not None and gpus > max_gpus):
-                    break
-                busiest = max(roles, key=lambda r: _utilisation(result, r))
-                if replicas[busiest] >= MAX_REPLICAS:
-                    break
-                replicas[busiest] += 1
+            choice = self._size(kind, roles, role, knobs, traffic, max_gpus)
             if best is None or _better(choice, best):
                 best = choice
         return best
 
-    def plan(self, traffic: Traffic) -> dict[str, Choice]:
-        return {k: c for k in ROLES_OF if (c := self.plan_kind(k, traffic)) is not None}
+    def _try(
+        self, kind: str, replicas: dict[str, int], role: str, knobs: dict, traffic: Traffic
+    ) -> Choice:
+        overlay: dict[str, Any] = {r: {"num_replicas": n} for r, n in replicas.items()}
+        if knobs and role == "router":
+            overlay["router"] = dict(knobs)
+        elif knobs:
+            overlay[role]["user_config"] = dict(knobs)
+        result = self.evaluate(kind, overlay, traffic)
+        gpus, cpus = self._cost(replicas)
+        met = self.slo.met(kind, result) and result.keeps_up
+        return Choice(kind, overlay, dict(replicas), gpus, cpus, result, met, role, dict(knobs))
+
+    def _size(
+        self,
+        kind: str,
+        roles: list[str],
+        role: str,
+        knobs: dict[str, Any],
+        traffic: Traffic,
+        max_gpus: float | None,
+    ) -> Choice:
+        """Grow the busiest model (doubling while the queue outruns it) until the SLO holds,
+        then give back replicas one model at a time while it still holds."""
+        replicas = {r: 1 for r in roles}
+        choice = self._try(kind, replicas, role, knobs, traffic)
+        while not choice.met:
+            if max_gpus is not None and choice.gpus > max_gpus:
+                return choice
+            busiest = max(roles, key=lambda r: _utilisation(choice.result, r))
+            if replicas[busiest] >= MAX_REPLICAS:
+                return choice
+            grow = replicas[busiest] if not choice.result.keeps_up else 1
+            replicas[busiest] = min(MAX_REPLICAS, replicas[busiest] + grow)
+            choice = self._try(kind, replicas, role, knobs, traffic)
+        for r in roles:
+            while replicas[r] > 1:
+                fewer = {**replicas, r: replicas[r] - max(1, replicas[r] // 8)}
+                smaller = self._try(kind, fewer, role, knobs, traffic)
+                if not smaller.met:
+                    break
+                replicas, choice = fewer, smaller
+        return choice
+
+    def plan(self, traffic: Traffic, max_gpus: float | None = None) -> dict[str, Choice]:
+        return {k: c for k in ROLES_OF if (c := self.plan_kind(k, traffic, max_gpus)) is not None}
 
     def fit_gpus(
         self, traffic: Traffic, gpus: float, steps: int = 7
     ) -> tuple[float, dict[str, Choice]]:
-        """The largest multiple of ``traffic`` whose plan meets the SLO within ``gpus``."""
-        lo, hi, found = 0.0, 1.0, self.plan(traffic.scaled(1e-3))
-        # Grow until it no longer fits, then bisect (on a log scale).
-        while True:
-            plan = self.plan(traffic.scaled(hi))
-            if _fits(plan, gpus):
-                lo, found, hi = hi, plan, hi * 4
-                if hi > 1e6:
-                    break
+        """The largest multiple of ``traffic`` whose plan meets the SLO within ``gpus``.
+
+        Knobs are searched once, at the traffic as given; the scales then size replicas only.
+        """
+        base = self.plan(traffic)
+        self.fixed = {k: (c.role, c.knobs) for k, c in base.items()}
+        try:
+            lo, hi, found = 0.0, 1.0, base
+            if not _fits(base, gpus):
+                hi, found = 1.0, {}
             else:
-                break
-        for _ in range(steps):
-            mid = math.sqrt(max(lo, hi / 64) * hi)
-            plan = self.plan(traffic.scaled(mid))
-            if _fits(plan, gpus):
-                lo, found = mid, plan
-            else:
-                hi = mid
-        return lo, found
+                lo, hi = 1.0, 4.0
+                while hi <= 1e6:  # grow until it no longer fits, then bisect (log scale)
+                    plan = self.plan(traffic.scaled(hi), gpus)
+                    if not _fits(plan, gpus):
+                        break
+                    lo, found, hi = hi, plan, hi * 4
+            for _ in range(steps):
+                mid = math.sqrt(max(lo, hi / 64) * hi)
+                plan = self.plan(traffic.scaled(mid), gpus)
+                if _fits(plan, gpus):
+                    lo, found = mid, plan
+                else:
+                    hi = mid
+            return lo, found
+        finally:
+            self.fixed = {}
+
+
+def keeps_up(latencies_ms: list[float], slo_ms: float) -> bool:
+    """False when latency grows through the run (a queue that outruns its replicas): the
+    last quarter of requests, by send time, waits far longer than the second quarter."""
+    n = len(latencies_ms)
+    if n < 20:
+        return True
+    second = sum(latencies_ms[n // 4 : n // 2]) / (n // 2 - n // 4)
+    last = sum(latencies_ms[3 * n // 4 :]) / (n - 3 * n // 4)
+    return not (last > GROWTH * second and last - second > 0.25 * slo_ms)
 
 
 def _utilisation(result: SimResult, role: str) -> float:
@@ -267,6 +339,9 @@ def apply_overlay(config: Mapping[str, Any], overlay: Mapping[str, Any]) -> dict
     the twin sized them) and merged ``user_config``."""
     doc = copy.deepcopy(dict(config))
     for app in doc.get("applications") or []:
+        args = app.get("args") or {}
+        if overlay.get("router") and isinstance(args.get("router"), dict):
+            args["router"] = {**args["router"], **overlay["router"]}
         for dep in app.get("deployments") or []:
             body = overlay.get(dep.get("name"))
             if not body:

@@ -158,7 +158,8 @@ class Twin:
             self.router = RouterServer(config, clients)  # type: ignore[arg-type]
             c = self.router.config
             for m in clients:
-                per = c.max_in_flight_per_replica.get(m, 16)
+                # Not listed: the deployment's own max_ongoing_requests, as the router does.
+                per = c.max_in_flight_per_replica.get(m) or pools[m].max_ongoing_requests
                 limit = per * len(pools[m].replicas)
                 self.gates[m] = _Gate(limit, c.aging_tokens_per_s, not c.lanes_enabled)
         self._events: list[tuple[float, int, Callable[[], None]]] = []
@@ -375,18 +376,23 @@ class Twin:
         self._loop(duration_s)
         return self._result(warmup_s, duration_s)
 
-    def _result(self, lo: float, hi: float | None) -> SimResult:
+    def summary(self, kind: str, lo: float = 0.0) -> SimResult:
+        """One request kind's figures after a mixed open-loop run (its own span)."""
+        return self._result(lo, None, kind)
+
+    def _result(self, lo: float, hi: float | None, kind: str | None = None) -> SimResult:
         """Closed loop (``hi`` given): what completed in [lo, hi], over hi - lo. Open loop:
         every request sent from ``lo`` on, over the span from the first of them to the last
         completion, as the benchmark harness summarises a run (benchmarks/stats.py)."""
-        ok = [r for r in self.records if r.status == 200 and r.ended is not None]
+        records = [r for r in self.records if kind is None or r.req.kind == kind]
+        ok = [r for r in records if r.status == 200 and r.ended is not None]
         if hi is not None:
             inside = [r for r in ok if lo <= r.ended <= hi]  # type: ignore[operator]
-            sent = [r for r in self.records if lo <= r.sent <= hi]
+            sent = [r for r in records if lo <= r.sent <= hi]
             span = hi - lo
         else:
             inside = [r for r in ok if r.sent >= lo]
-            sent = [r for r in self.records if r.sent >= lo]
+            sent = [r for r in records if r.sent >= lo]
             first = min((r.sent for r in sent), default=lo)
             last = max((r.ended or r.sent for r in sent), default=lo)
             span = max(last - first, 1e-9)

@@ -42,7 +42,8 @@ class KindMix:
     high: int = 512
     query: int = 10  # rank: query tokens, added to every pair
     max_tokens: tuple[int, int] = (8, 256)  # generate: log-uniform
-    output: float = 1.0  # generate: share of max_tokens really produced (EOS earlier)
+    output: float = 0.6  # generate: share of max_tokens really produced (EOS earlier)
+    escalate: float = 0.1  # generate: share of small answers a cascade finds unsure
     model: str = "small"  # generate: small | large | auto
     max_length: int = 512  # an encoder's truncation
 
@@ -55,12 +56,14 @@ class KindMix:
             lo, hi = self.max_tokens
             m = round(math.exp(rng.uniform(math.log(lo), math.log(hi))))
             out = max(1, round(m * self.output))
+            unsure = rng.random() < self.escalate
             return SimRequest(
                 "generate",
                 prompt_tokens=length(),
                 max_tokens=m,
                 output_tokens=out,
                 model=self.model,
+                small_mean_logprob=-5.0 if unsure else -0.3,
             )
         n = rng.randint(*self.items)
         extra = self.query if kind == "rank" else 0
@@ -71,7 +74,7 @@ class KindMix:
 DEFAULTS: dict[str, dict[str, Any]] = {
     "embed": {"items": (1, 8), "median": 32, "max_length": 256},
     "rank": {"items": (5, 50), "median": 48, "low": 8, "query": 10},
-    "generate": {"median": 64, "model": "auto", "output": 1.0},
+    "generate": {"median": 64, "model": "auto"},
 }
 
 
