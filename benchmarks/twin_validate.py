@@ -359,6 +359,24 @@ def markdown(doc: dict, measured: dict) -> str:
               f"(`fixed_ms` = {doc['fitted']['embed_fixed_ms']} ms per embed request, proxy + "
               "ingress + hops), from the default configuration's 1-client calibration run, "
               "which is not among the figures above. Everything else comes from the profile."]  # fmt: skip
+    lines += [
+        "",
+        "Scope, stated: the embed figures go through HTTP, Serve's proxy and the embed "
+        "ingress, as the suite deploys serve.yaml's embed app (one torch thread, "
+        "`thread_policy: reserved`); the twin prices the embedder's passes through the "
+        "profile's measured points. "
+        + (
+            "Generation is validated against carpool's **continuous** engine in process "
+            "(`benchmarks.generation_compare`: no HTTP, greedy, `ignore_eos`, `max_num_seqs` "
+            "64, `max_batch_tokens` 512, one thread), not against serve.yaml's `mode: vllm` "
+            "small model, whose step costs no profile holds"
+            if any(r["figure"] == "tokens/s" for r in doc["figures"])
+            else "Generation was **not measured** in this run (no figure above)"
+        )
+        + "; the conversation trace "
+        "was not validated (no time under the benchmark lock). A configuration with an "
+        "`error` in the measurement file is left out of the table.",
+    ]
     return "\n".join(lines) + "\n"
 
 
