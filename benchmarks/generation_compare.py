@@ -201,7 +201,9 @@ def main(argv: list[str] | None = None) -> int:
         "--modes",
         default="continuous,static",
         help="any of continuous, static, vllm (needs vLLM installed: make vllm-venv), "
-        "transformers (transformers' own continuous batching)",
+        "transformers (transformers' own continuous batching); a '-single' suffix "
+        "(continuous-single) submits each request on its own instead of through the "
+        "arrival batch (what @serve.batch buys, paired)",
     )
     parser.add_argument("--requests", type=int, default=64)
     parser.add_argument("--rounds", type=int, default=1, help="alternating rounds per mode")
@@ -232,9 +234,10 @@ def main(argv: list[str] | None = None) -> int:
     for mode in modes:
         if mode == "transformers":
             continue
+        engine_mode, single = mode.removesuffix("-single"), mode.endswith("-single")
         config = {
             "source": {"model": args.model},
-            "mode": mode,
+            "mode": engine_mode,
             "batching": {
                 "max_num_seqs": args.max_num_seqs,
                 "max_batch_tokens": args.max_batch_tokens,
@@ -243,6 +246,9 @@ def main(argv: list[str] | None = None) -> int:
             },
         }
         servers[mode] = GeneratorServer(config, model=model, tokenizer=tokenizer)
+        if single:  # each call is its own batch: admitted, tokenised and submitted alone
+            server = servers[mode]
+            server._through_batch = lambda ticket, s=server: s._run_batch([ticket])
         asyncio.run(run_mode(servers[mode], workload(args.warmup, 4, 4, args.seed), 1))
     # Modes alternate round by round, so load from elsewhere on the machine hits them alike;
     # each mode reports its median round (by tokens/s).
