@@ -244,22 +244,24 @@ class Twin:
         def run(model: str) -> None:
             gate = self.gates[model]
 
-            def go() -> None:
-                gate.in_flight += 1
-
+            def submit() -> None:
                 def left(status: int) -> None:
                     gate.in_flight -= 1
                     if len(gate.queue) and gate.in_flight < gate.limit:
-                        gate.queue.pop()()
+                        # The next one goes as its own event: a refusal answered at once
+                        # must not recurse through the whole waiting line.
+                        gate.in_flight += 1
+                        self.at(self.now, gate.queue.pop())
                     finished(model, status)
 
                 self._submit(self.pools[model], req, left, rec)
 
             if gate.in_flight < gate.limit and not len(gate.queue):
-                go()
+                gate.in_flight += 1
+                submit()
             else:
                 key = 0.0 if gate.fifo else predicted
-                gate.queue.push(go, key, self.now, tier)  # type: ignore[arg-type]
+                gate.queue.push(submit, key, self.now, tier)  # type: ignore[arg-type]
 
         del lane  # a lane with its own target would name a pool; serve configs share one
         run(decision.model)
