@@ -266,11 +266,15 @@ class Planner:
         return {k: c for k in ROLES_OF if (c := self.plan_kind(k, traffic, max_gpus)) is not None}
 
     def fit_gpus(
-        self, traffic: Traffic, gpus: float, steps: int = 7
+        self, traffic: Traffic, gpus: float, steps: int = 7, cap: float | None = None
     ) -> tuple[float, dict[str, Choice]]:
         """The largest multiple of ``traffic`` whose plan meets the SLO within ``gpus``.
 
         Knobs are searched once, at the traffic as given; the scales then size replicas only.
+        ``cap``: a multiple past which the answer does not matter (another bound binds there,
+        e.g. the HTTP proxies); if the plan at ``cap`` fits, ``cap`` is returned at once.
+        Without it, a 64-GPU cluster is searched at thousands of times the mix, each trial a
+        simulation of tens of thousands of requests (the 64-GPU projection did not finish).
         """
         base = self.plan(traffic)
         self.fixed = {k: (c.role, c.knobs) for k, c in base.items()}
@@ -280,11 +284,23 @@ class Planner:
                 hi, found = 1.0, {}
             else:
                 lo, hi = 1.0, 4.0
-                while hi <= 1e6:  # grow until it no longer fits, then bisect (log scale)
+                grow = True
+                if cap is not None:
+                    if cap <= lo:
+                        return lo, base
+                    plan = self.plan(traffic.scaled(cap), gpus)
+                    if _fits(plan, gpus):
+                        return cap, plan
+                    if cap <= hi:  # the answer lies below the cap, known not to fit
+                        hi, grow = cap, False
+                while grow and hi <= 1e6:  # grow until it no longer fits, then bisect (log)
                     plan = self.plan(traffic.scaled(hi), gpus)
                     if not _fits(plan, gpus):
                         break
                     lo, found, hi = hi, plan, hi * 4
+                    if cap is not None and hi >= cap:
+                        hi = cap
+                        break
             for _ in range(steps):
                 mid = math.sqrt(max(lo, hi / 64) * hi)
                 plan = self.plan(traffic.scaled(mid), gpus)

@@ -37,16 +37,26 @@ def _router_replicas(config: Mapping[str, Any]) -> int:
 
 
 def project(
-    planner: Planner, traffic: Traffic, gpus: float, gpus_per_node: int, duration_s: float
+    planner: Planner,
+    traffic: Traffic,
+    gpus: float,
+    gpus_per_node: int,
+    duration_s: float,
+    full_search: bool = False,
 ) -> dict[str, Any]:
-    gpu_scale, plan = planner.fit_gpus(traffic, gpus)
     rates = traffic.rates()
     proxies = math.ceil(gpus / gpus_per_node) + 1
-    bounds = {"GPUs (models)": gpu_scale, "HTTP proxy": proxies * PROXY_RPS / sum(rates.values())}
+    shared = {"HTTP proxy": proxies * PROXY_RPS / sum(rates.values())}
     routers = _router_replicas(planner.config)
     if rates.get("generate") and routers:
-        bounds["router"] = routers * HANDLE_RPS / rates["generate"]
-    bottleneck = min(bounds, key=bounds.__getitem__)
+        shared["router"] = routers * HANDLE_RPS / rates["generate"]
+    # The models' bound is searched only up to the lowest shared bound: past it the shared
+    # one binds whatever the GPUs could do, and the search there is what never finished.
+    cap = min(shared.values(), default=None)
+    gpu_scale, plan = planner.fit_gpus(traffic, gpus, cap=None if full_search else cap)
+    capped = cap is not None and not full_search and gpu_scale >= cap
+    bounds = {"GPUs (models)": gpu_scale, **shared}
+    bottleneck = min(shared, key=shared.__getitem__) if capped else min(bounds, key=bounds.get)
     scale = bounds[bottleneck]
     if bottleneck != "GPUs (models)":
         plan = planner.plan(traffic.scaled(scale))  # fewer GPUs suffice at the lower rate
@@ -57,6 +67,8 @@ def project(
         "scale": round(scale, 3),
         "rates": {k: round(v * scale, 1) for k, v in rates.items()},
         "bounds": {k: round(v, 3) for k, v in bounds.items()},
+        # True: the models' bound was not searched past the shared one (it is at least that).
+        "gpu_bound_capped": capped,
         "bottleneck": bottleneck,
         "busiest_model": busiest,
         "gpus_used": round(sum(c.gpus for c in plan.values()), 3),
@@ -125,7 +137,10 @@ def markdown(rows: list[dict[str, Any]]) -> str:
             f"{k} {v['p99_ms']:,}" + (f" (TTFT {v['ttft_p99_ms']:,})" if v["ttft_p99_ms"] else "")
             for k, v in row["per_kind"].items()
         )
-        bounds = ", ".join(f"{k} {v:,.0f}" for k, v in row["bounds"].items())
+        bounds = ", ".join(
+            f"{k} {'≥ ' if k == 'GPUs (models)' and row.get('gpu_bound_capped') else ''}{v:,.0f}"
+            for k, v in row["bounds"].items()
+        )
         lines.append(
             f"| {row['gpus']:g} | {rates} | {reps} | {row['gpus_used']} | {good} | {p99} | "
             f"**{row['bottleneck']}** ({bounds}); busiest model: {row['busiest_model']} |"
@@ -144,6 +159,12 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--gpus-per-node", type=int, default=8)
     p.add_argument("--duration", type=float, default=60.0, help="simulated seconds per trial")
     p.add_argument("--out", help="also write the rows as JSON here")
+    p.add_argument(
+        "--full-search",
+        action="store_true",
+        help="search the models' bound past the HTTP proxies' and the router's (slow: a "
+        "64-GPU cluster at thousands of times the mix)",
+    )
     args = p.parse_args(argv)
     profile = load_profile(args.profile)
     planner = Planner(
@@ -151,7 +172,7 @@ def main(argv: list[str] | None = None) -> int:
     )
     traffic = parse_traffic(args.traffic)
     rows = [
-        project(planner, traffic, float(n), args.gpus_per_node, args.duration)
+        project(planner, traffic, float(n), args.gpus_per_node, args.duration, args.full_search)
         for n in args.gpus.split(",")
     ]
     text = markdown(rows)

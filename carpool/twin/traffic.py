@@ -85,6 +85,11 @@ class Traffic:
     kinds: dict[str, KindMix] = field(default_factory=dict)
     trace: list[tuple[float, SimRequest]] | None = None
     source: str = ""
+    # arrivals() by (duration, seed): the planner simulates one traffic dozens of times, and
+    # drawing its lengths again each time was a fifth of a projection's run time.
+    _drawn: dict[tuple[float, int], dict[str, list[tuple[float, SimRequest]]]] = field(
+        default_factory=dict, repr=False, compare=False
+    )
 
     def scaled(self, factor: float) -> Traffic:
         kinds = {k: KindMix(**{**vars(m), "rate": m.rate * factor}) for k, m in self.kinds.items()}
@@ -94,14 +99,21 @@ class Traffic:
     def arrivals(
         self, duration_s: float, seed: int = 0
     ) -> dict[str, list[tuple[float, SimRequest]]]:
-        """Per kind, ``(time, request)`` over ``duration_s`` (a trace: its first duration_s)."""
+        """Per kind, ``(time, request)`` over ``duration_s`` (a trace: its first duration_s).
+
+        The same lists for the same arguments (the twin reads requests, never changes them).
+        """
+        key = (duration_s, seed)
+        if key in self._drawn:
+            return {k: list(v) for k, v in self._drawn[key].items()}
         out: dict[str, list[tuple[float, SimRequest]]] = {}
         for i, (kind, mix) in enumerate(sorted(self.kinds.items())):
             rng = random.Random(seed * 1000 + i)
             out[kind] = [(t, mix.draw(kind, rng)) for t in poisson(mix.rate, duration_s, rng)]
         if self.trace is not None:
             out["generate"] = [(t, r) for t, r in self.trace if t < duration_s]
-        return out
+        self._drawn[key] = out
+        return {k: list(v) for k, v in out.items()}
 
     def rates(self) -> dict[str, float]:
         rates = {k: m.rate for k, m in self.kinds.items()}

@@ -125,3 +125,19 @@ def test_bottlenecks_count_proxies_per_node() -> None:
     b = bottlenecks(parse_traffic("embed=1000"), gpus=16)
     assert b["proxies"] == 3  # two 8-GPU nodes and the head
     assert b["proxy_load"] == pytest.approx(1000 / (3 * 250), rel=1e-3)
+
+
+def test_a_cap_stops_the_gpu_search_where_another_bound_binds() -> None:
+    # 2 GPUs fit a multiple of about 8 of 5/s; capped at 3 the search stops at 3 (it fits).
+    scale, plan = planner(2000).fit_gpus(one_item(5), gpus=2.0, steps=4, cap=3.0)
+    assert scale == 3.0 and all(c.met for c in plan.values())
+    # Capped above what fits: the answer is searched below the cap, as without one.
+    scale, _ = planner(2000).fit_gpus(one_item(5), gpus=2.0, steps=4, cap=20.0)
+    assert 4.0 <= scale <= 8.0 + 1e-9
+
+
+def test_arrivals_are_drawn_once_per_duration_and_seed() -> None:
+    traffic = one_item(5)
+    a, b = traffic.arrivals(10.0, 0), traffic.arrivals(10.0, 0)
+    assert a == b and a["embed"] is not b["embed"]  # same draws, lists of their own
+    assert traffic.arrivals(10.0, 1) != a
