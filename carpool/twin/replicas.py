@@ -191,15 +191,18 @@ class EncoderReplica:
         self.ongoing += 1
         return None
 
-    def start(self, now: float) -> Work | None:
-        """The next pass, planned by carpool's executor, or None when nothing waits."""
+    def start(self, now: float, slowdown: float = 1.0) -> Work | None:
+        """The next pass, planned by carpool's executor, or None when nothing waits.
+
+        ``slowdown``: the pass takes this many times its profile cost (a host CPU shared
+        with other work, ``Overheads.host_cores``); the replica's cost model sees it so."""
         if self.busy or not self.server.executor._waiting:
             return None
         taken, planned = self.server.executor._plan()
         if not taken:
             return None
         lengths = [job.lengths[i] for job, i in taken]
-        ms = self.pass_ms(lengths)
+        ms = self.pass_ms(lengths) * slowdown
         overhead, self._pending_ms = self._pending_ms, 0.0
         self.busy = True
         self.server.executor.stats.steps += 1
@@ -270,8 +273,12 @@ class GeneratorReplica:
         entry: Mapping[str, Any],
         scale: float = 1.0,
         max_kv_tokens: int | None = None,
+        step_overhead_ms: float = 0.0,
     ) -> None:
         self.name = name
+        # Engine work per step outside the forward passes (scheduling, sampling,
+        # detokenizing, handing events to the streams): the profile times passes only.
+        self.step_overhead_ms = step_overhead_ms
         self.limits = SchedulerLimits(
             int(knobs.get("max_num_seqs", 16)), int(knobs.get("max_batch_tokens", 512))
         )
@@ -324,7 +331,7 @@ class GeneratorReplica:
                     "attention": len(prefill) * width * width,
                 },
             )
-        return self.scale * ms
+        return self.scale * ms + self.step_overhead_ms
 
     def _kv_room(self) -> bool:
         if self.max_kv_tokens is None:
@@ -334,7 +341,8 @@ class GeneratorReplica:
         need = 0 if nxt is None else nxt.num_prompt_tokens + nxt.req.produced
         return held + need <= self.max_kv_tokens
 
-    def start(self, now: float) -> Work | None:
+    def start(self, now: float, slowdown: float = 1.0) -> Work | None:
+        """The next engine step, or None when nothing runs (``slowdown`` as an encoder's)."""
         if self.busy:
             return None
         if not self._kv_room():
@@ -350,7 +358,7 @@ class GeneratorReplica:
             seq.admitted_at = now
         self.prefilling.extend(plan.admitted)
         self.busy = True
-        return Work(now + self.step_ms(plan.decode, plan.prefill) / 1000, plan)
+        return Work(now + slowdown * self.step_ms(plan.decode, plan.prefill) / 1000, plan)
 
     def finish(self, now: float, work: Work) -> GenEvents:
         plan = work.payload

@@ -53,6 +53,21 @@ class Overheads:
     proxies: int = 1
     router_rps: float | None = None  # one router replica's decisions per second
     router_replicas: int = 1
+    # One host whose cores the model passes share with the serving path (a single machine:
+    # proxy, ingress, load generator and the replica's own request handling). None: the
+    # passes own their device (a GPU cluster, where the serving path runs on other cores).
+    host_cores: float | None = None
+    cpu_ms_per_request: float = 0.0  # host CPU each request costs outside the model's passes
+    cpu_window_s: float = 1.0  # the serving path's CPU demand is its rate over this window
+    background_cores: float = 0.0  # host CPU busy with no request at all (Ray's own daemons)
+
+
+def host_slowdown(cores: float, serving_cores: float, pass_cores: float = 1.0) -> float:
+    """How much longer a pass takes when the serving path wants ``serving_cores`` of a host
+    with ``cores``: none while both fit; past that the kernel shares the cores fairly, so
+    every runnable thread (the pass's included) runs at cores / demand (processor sharing)."""
+    demand = pass_cores + max(0.0, serving_cores)
+    return max(1.0, demand / cores)
 
 
 @dataclass
@@ -168,7 +183,13 @@ class Twin:
         self.records: list[Record] = []
         self._busy_s: dict[str, float] = {}
         self._proxy = _Stage(self.overheads.proxy_rps, self.overheads.proxies)
+        self._sent_recently: deque[float] = deque()  # send times within cpu_window_s
         self._router_stage = _Stage(self.overheads.router_rps, self.overheads.router_replicas)
+
+    @property
+    def busy_s(self) -> dict[str, float]:
+        """Seconds each replica spent in passes (or engine steps) so far."""
+        return dict(self._busy_s)
 
     # --- the event loop --------------------------------------------------------------
 
@@ -187,6 +208,8 @@ class Twin:
         """A request arrives now; ``done`` is called with its record when it is answered."""
         rec = Record(req, self.now)
         self.records.append(rec)
+        if self.overheads.host_cores:
+            self._sent_recently.append(self.now)
         through = self._proxy.through(self.now) + self.overheads.fixed_ms / 1000
         self.at(through, lambda: self._dispatch(rec, done))
 
@@ -298,11 +321,25 @@ class Twin:
                 self.at(self.now + replica.collect_s, lambda: self._kick(replica, True))
                 return
             replica.collecting = False
-        work = replica.start(self.now)
+        work = replica.start(self.now, self._slowdown())
         if work is None:
             return
         self._busy_s[replica.name] = self._busy_s.get(replica.name, 0.0) + work.ends - self.now
         self.at(work.ends, lambda: self._finish(replica, work))
+
+    def _slowdown(self) -> float:
+        """A pass's slowdown on a shared host: the serving path's CPU demand is the rate of
+        requests sent in the last ``cpu_window_s`` times what each costs."""
+        o = self.overheads
+        if not o.host_cores or (o.cpu_ms_per_request <= 0 and o.background_cores <= 0):
+            return 1.0
+        recent = self._sent_recently
+        while recent and recent[0] < self.now - o.cpu_window_s:
+            recent.popleft()
+        serving = o.background_cores + len(recent) / o.cpu_window_s * o.cpu_ms_per_request / 1000
+        # Every replica mid-pass holds a core too (one torch thread each, as validated here).
+        passes = 1 + sum(r.busy for pool in self.pools.values() for r in pool.replicas)
+        return host_slowdown(o.host_cores, serving, passes)
 
     def _finish(self, replica: Replica, work: Work) -> None:
         if isinstance(replica, EncoderReplica):

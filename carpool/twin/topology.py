@@ -40,6 +40,7 @@ class PoolSpec:
     mode: str = "encoder"
     max_kv_tokens: int | None = None
     request_ms: float = 0.0  # replica-side serving work per request (tokenizing, answering)
+    step_ms: float = 0.0  # a generator's engine work per step outside its forward passes
 
 
 @dataclass
@@ -70,7 +71,9 @@ class TwinSpec:
                     )
                 else:
                     replicas.append(
-                        GeneratorReplica(name, p.knobs, p.entry, self.scale, p.max_kv_tokens)
+                        GeneratorReplica(
+                            name, p.knobs, p.entry, self.scale, p.max_kv_tokens, p.step_ms
+                        )
                     )
             pools[role] = Pool(role, replicas, p.max_ongoing_requests, p.max_queued_requests)
         return Twin(pools, copy.deepcopy(self.overheads), copy.deepcopy(self.router), seed)

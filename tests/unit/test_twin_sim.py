@@ -16,7 +16,7 @@ import pytest
 from carpool.config import BatchingConfig
 from carpool.twin.profile import load_profile
 from carpool.twin.replicas import EncoderReplica, GeneratorReplica, SimRequest
-from carpool.twin.sim import Overheads, Pool, Twin, percentile, poisson
+from carpool.twin.sim import Overheads, Pool, Twin, host_slowdown, percentile, poisson
 from carpool.twin.topology import TwinSpec
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -248,3 +248,40 @@ def test_overlay_changes_replicas_and_knobs() -> None:
     assert spec.pools["embedder"].knobs["max_batch_tokens"] == 2048
     with pytest.raises(ValueError, match="does not serve"):
         TwinSpec.from_serve_config(ROOT / "serve.yaml", profile, {"retriever": {}})
+
+
+def test_generator_step_overhead_adds_to_every_step() -> None:
+    # 30 ms prefill + 5 ms, then 10 ms decodes + 5 ms each: first token at 35 ms, 15 ms after.
+    entry = generator_entry(30.0, 10.0)
+    replica = GeneratorReplica("g", {"max_num_seqs": 8}, entry, step_overhead_ms=5.0)
+    req = SimRequest("generate", prompt_tokens=20, max_tokens=11, model="small")
+    result = Twin({"small": Pool("small", [replica])}).run(
+        clients=1, requests=[req], duration_s=20, warmup_s=2, drain=False
+    )
+    assert result.ttft_p50_ms == pytest.approx(35.0, rel=0.01)
+    assert result.tpot_ms == pytest.approx(15.0, rel=0.01)
+
+
+def test_host_slowdown_is_processor_sharing_past_the_cores() -> None:
+    assert host_slowdown(2.0, 0.5) == 1.0  # pass + serving fit in two cores
+    assert host_slowdown(2.0, 1.0) == 1.0
+    assert host_slowdown(2.0, 2.0) == pytest.approx(1.5)  # 3 cores wanted of 2
+    assert host_slowdown(2.0, 1.0, pass_cores=2) == pytest.approx(1.5)
+
+
+def test_serving_cpu_on_a_shared_host_slows_passes_under_load() -> None:
+    # 100 ms passes, one item each: 10 requests/s. Each request also costs 150 ms of host CPU
+    # elsewhere: at 10/s that is 1.5 cores, so pass + serving want 2.5 of 2 cores.
+    def twin(cpu_ms: float) -> Twin:
+        t = encoder_twin(1, 100.0)
+        t.overheads = Overheads(host_cores=2.0, cpu_ms_per_request=cpu_ms)
+        return t
+
+    free = twin(0.0).run(clients=8, requests=[ONE], duration_s=60, warmup_s=10, drain=False)
+    shared = twin(150.0).run(clients=8, requests=[ONE], duration_s=60, warmup_s=10, drain=False)
+    assert free.items_per_s == pytest.approx(10.0, rel=0.02)
+    # Fixed point: x = 1 / (0.1 * (1 + 0.15 x) / 2), 0.15 x^2 + x - 20 = 0, x = 8.69/s.
+    assert shared.items_per_s == pytest.approx(8.69, rel=0.05)
+    # 50 ms a request: 0.5 cores at 10/s, which fit beside the pass: no slowdown.
+    light = twin(50.0).run(clients=8, requests=[ONE], duration_s=60, warmup_s=10, drain=False)
+    assert light.items_per_s == pytest.approx(10.0, rel=0.02)
