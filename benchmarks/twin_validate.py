@@ -636,9 +636,9 @@ def markdown(doc: dict, measured: dict) -> str:
     lines += ["", "## What is fitted, and on what", ""]
     lines.append(
         "Nothing is fitted on a figure above. The passes cost what the profile measured (bare "
-        "forward passes, no serving). From the **default** embed configuration's calibration "
-        "runs, which are not among the figures (an idle window of the deployed cluster and a "
-        "1-client closed loop):"
+        "forward passes, no serving). Fitted on calibration runs, none of them among the "
+        "figures (for embed, the **default** configuration's idle window of the deployed "
+        "cluster and its 1-client closed loop):"
     )
     if host:
         lines.append(
@@ -652,10 +652,12 @@ def markdown(doc: dict, measured: dict) -> str:
             "serving path together want more than the cores, every runnable thread slows "
             "alike (processor sharing; `Overheads.host_cores`, `carpool.twin.sim.host_slowdown`)."
         )
-    lines.append(
-        f"- the serving latency outside the model (`fixed_ms` = {fitted['embed_fixed_ms']} ms "
-        "per request, proxy + ingress + hops): the 1-client run's mean latency less the twin's."
-    )
+    if fitted.get("embed_fixed_ms") is not None:
+        lines.append(
+            f"- the serving latency outside the model (`fixed_ms` = {fitted['embed_fixed_ms']} "
+            "ms per request, proxy + ingress + hops): the 1-client run's mean latency less the "
+            "twin's."
+        )
     steps = {
         k: v for k, v in (fitted.get("generation_step_overhead_ms") or {}).items() if v is not None
     }
