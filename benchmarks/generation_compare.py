@@ -324,6 +324,28 @@ def main(argv: list[str] | None = None) -> int:
             f"{summary['tokens_per_cpu_s_ratio']:.2f}x tokens per CPU-second; "
             f"p50 latency {summary['p50_latency_ratio']:.2f}x"
         )
+    # What the arrival batch buys: each mode against its one-by-one twin, round by round.
+    for mode in modes:
+        if mode.endswith("-single") or f"{mode}-single" not in rounds:
+            continue
+        pairs = list(zip(rounds[mode], rounds[f"{mode}-single"], strict=True))
+        batch_ratios = {
+            key: [a[key] / b[key] for a, b in pairs if b[key]]
+            for key in ("tokens_per_s", "tokens_per_cpu_s", "latency_p50_s", "ttft_p50_s")
+        }
+        summary[f"{mode}_batched_over_single"] = {
+            key: {"rounds": vals, "median": statistics.median(vals)}
+            for key, vals in batch_ratios.items()
+            if vals
+        }
+        print(
+            f"{mode} batched / one-by-one, paired median: "
+            + ", ".join(
+                f"{key} {statistics.median(vals):.2f}x"
+                for key, vals in batch_ratios.items()
+                if vals
+            )
+        )
     report = {
         "command": "python -m benchmarks.generation_compare " + " ".join(sys.argv[1:]),
         "model": args.model,
