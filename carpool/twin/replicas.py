@@ -317,18 +317,24 @@ class GeneratorReplica:
         return None
 
     def step_ms(self, decode: list[_Seq], prefill: list[tuple[_Seq, int]]) -> float:
+        """What a step costs, in the features the profile measured them by. carpool's
+        ``SlotRunner`` computes padded passes: a prefill's chunks are left-padded to the
+        longest (``rows x width`` tokens) and every row attends to the longest row's context
+        (the slot view ``[0, view_len)``); a decode step likewise. The profile's points have
+        equal rows, where padded and real coincide."""
         ms = 0.0
         if decode:
-            kv = sum(s.num_computed + 1 for s in decode)
-            ms += predict_ms(self.decode, {"batch": len(decode), "kv_tokens": kv})
+            view = max(s.num_computed for s in decode) + 1
+            ms += predict_ms(self.decode, {"batch": len(decode), "kv_tokens": len(decode) * view})
         if prefill:
             width = max(n for _, n in prefill)
+            view = max(s.num_computed + n for s, n in prefill)
             ms += predict_ms(
                 self.prefill,
                 {
-                    "tokens": sum(n for _, n in prefill),
+                    "tokens": len(prefill) * width,
                     "rows": len(prefill),
-                    "attention": len(prefill) * width * width,
+                    "attention": len(prefill) * width * view,
                 },
             )
         return self.scale * ms + self.step_overhead_ms

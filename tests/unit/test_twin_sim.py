@@ -285,3 +285,28 @@ def test_serving_cpu_on_a_shared_host_slows_passes_under_load() -> None:
     # 50 ms a request: 0.5 cores at 10/s, which fit beside the pass: no slowdown.
     light = twin(50.0).run(clients=8, requests=[ONE], duration_s=60, warmup_s=10, drain=False)
     assert light.items_per_s == pytest.approx(10.0, rel=0.02)
+
+
+def test_a_step_is_priced_padded_as_the_slot_runner_computes_it() -> None:
+    # 1 ms per prefill token, 1 ms per decode KV token: prompts of 4 and 16 tokens are one
+    # chunk left-padded to 16 (32 tokens); two decodes at contexts 5 and 17 attend 2 x 18.
+    entry = {
+        "kind": "generator",
+        "prefill": {"fits": {"line": {"coef": {"const": 0.0, "tokens": 1.0}}}, "use": "line"},
+        "decode": {
+            "fits": {"context": {"coef": {"const": 0.0, "batch": 0.0, "kv_tokens": 1.0}}},
+            "use": "context",
+        },
+        "kv_bytes_per_token": 1024,
+    }
+    replica = GeneratorReplica("g", {"max_num_seqs": 8}, entry)
+    short = SimRequest("generate", prompt_tokens=4, max_tokens=4, model="small")
+    long = SimRequest("generate", prompt_tokens=16, max_tokens=4, model="small")
+    replica.offer(0.0, short, "a")
+    replica.offer(0.0, long, "b")
+    work = replica.start(0.0)
+    assert work is not None and work.ends == pytest.approx(0.032)
+    replica.finish(work.ends, work)
+    for seq in replica.decoding:
+        seq.num_computed += 1  # contexts 5 and 17
+    assert replica.step_ms(replica.decoding, []) == pytest.approx(2 * 18)
