@@ -249,27 +249,33 @@ def main(argv: list[str] | None = None) -> int:
         if single:  # each call is its own batch: admitted, tokenised and submitted alone
             server = servers[mode]
             server._through_batch = lambda ticket, s=server: s._run_batch([ticket])
-        asyncio.run(run_mode(servers[mode], workload(args.warmup, 4, 4, args.seed), 1))
     # Modes alternate round by round, so load from elsewhere on the machine hits them alike;
     # each mode reports its median round (by tokens/s).
     rounds: dict[str, list[dict[str, Any]]] = {mode: [] for mode in modes}
-    for r in range(args.rounds):
-        for mode in modes:
-            if mode == "transformers":
-                result = asyncio.run(
-                    run_transformers_cb(model, tokenizer, requests, args.concurrency, args)
+
+    async def measure() -> None:
+        # One event loop for every round: a vLLM engine serves the loop that started it.
+        for server in servers.values():
+            await run_mode(server, workload(args.warmup, 4, 4, args.seed), 1)
+        for r in range(args.rounds):
+            for mode in modes:
+                if mode == "transformers":
+                    result = await run_transformers_cb(
+                        model, tokenizer, requests, args.concurrency, args
+                    )
+                else:
+                    result = await run_mode(servers[mode], requests, args.concurrency)
+                rounds[mode].append(result)
+                print(
+                    f"round {r + 1} {mode}: {result['tokens_per_s']:.1f} tokens/s "
+                    f"({result['sustained_tokens_per_s']:.1f} sustained), "
+                    f"p50 {result['latency_p50_s']:.2f} s",
+                    file=sys.stderr,
                 )
-            else:
-                result = asyncio.run(run_mode(servers[mode], requests, args.concurrency))
-            rounds[mode].append(result)
-            print(
-                f"round {r + 1} {mode}: {result['tokens_per_s']:.1f} tokens/s "
-                f"({result['sustained_tokens_per_s']:.1f} sustained), "
-                f"p50 {result['latency_p50_s']:.2f} s",
-                file=sys.stderr,
-            )
-    for server in servers.values():
-        server.close()
+        for server in servers.values():
+            server.close()
+
+    asyncio.run(measure())
     results = {
         mode: sorted(runs, key=lambda x: x["tokens_per_s"])[len(runs) // 2]
         for mode, runs in rounds.items()
