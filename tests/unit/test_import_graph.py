@@ -1,0 +1,145 @@
+"""The product's import graph: no module-level import cycle, and no product module reaches
+into the benchmark harness (issue 25: the engine factory once sat in the interface file and
+made a circle with the vLLM adapter; benchmark code once lived in carpool/generation/)."""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+PACKAGES = ("carpool", "deployments", "router", "pipelines")
+
+
+def module_name(path: Path) -> str:
+    parts = list(path.relative_to(ROOT).with_suffix("").parts)
+    if parts[-1] == "__init__":
+        parts.pop()
+    return ".".join(parts)
+
+
+def product_modules() -> dict[str, Path]:
+    return {
+        module_name(p): p
+        for package in PACKAGES
+        for p in (ROOT / package).rglob("*.py")
+        if "__pycache__" not in p.parts
+    }
+
+
+def _type_checking_block(node: ast.stmt) -> bool:
+    test = getattr(node, "test", None)
+    return isinstance(node, ast.If) and (
+        (isinstance(test, ast.Name) and test.id == "TYPE_CHECKING")
+        or (isinstance(test, ast.Attribute) and test.attr == "TYPE_CHECKING")
+    )
+
+
+def module_level_imports(name: str, path: Path) -> set[str]:
+    """Modules imported when ``name`` is imported: top-level statements only (imports inside
+    functions run later and cannot make an import-time circle), minus TYPE_CHECKING blocks."""
+    tree = ast.parse(path.read_text(), filename=str(path))
+    is_package = path.name == "__init__.py"
+    found: set[str] = set()
+
+    def visit(body: list[ast.stmt]) -> None:
+        for node in body:
+            if _type_checking_block(node):
+                continue
+            if isinstance(node, ast.Import):
+                found.update(alias.name for alias in node.names)
+            elif isinstance(node, ast.ImportFrom):
+                base = node.module or ""
+                if node.level:
+                    anchor = name.split(".") if is_package else name.split(".")[:-1]
+                    anchor = anchor[: len(anchor) - (node.level - 1)]
+                    base = ".".join([*anchor, base] if base else anchor)
+                found.add(base)
+                found.update(f"{base}.{alias.name}" for alias in node.names)
+            elif isinstance(node, ast.If | ast.Try):
+                visit(node.body)
+                visit(node.orelse)
+                for handler in getattr(node, "handlers", []):
+                    visit(handler.body)
+                visit(getattr(node, "finalbody", []))
+
+    visit(tree.body)
+    return found
+
+
+def graph() -> dict[str, set[str]]:
+    modules = product_modules()
+    edges: dict[str, set[str]] = {}
+    for name, path in modules.items():
+        targets = set()
+        for imported in module_level_imports(name, path):
+            # "from pkg import mod" names a module; "from mod import func" names the module.
+            while imported and imported not in modules:
+                imported = imported.rpartition(".")[0]
+            if imported and imported != name:
+                targets.add(imported)
+        edges[name] = targets
+    return edges
+
+
+def find_cycle(edges: dict[str, set[str]]) -> list[str] | None:
+    state: dict[str, int] = {}  # 1: on the current path, 2: done
+    path: list[str] = []
+
+    def dfs(node: str) -> list[str] | None:
+        state[node] = 1
+        path.append(node)
+        for nxt in sorted(edges.get(node, ())):
+            if state.get(nxt) == 1:
+                return [*path[path.index(nxt) :], nxt]
+            if nxt not in state and (found := dfs(nxt)):
+                return found
+        path.pop()
+        state[node] = 2
+        return None
+
+    for node in sorted(edges):
+        if node not in state and (found := dfs(node)):
+            return found
+    return None
+
+
+def test_the_scan_finds_a_planted_cycle() -> None:
+    assert find_cycle({"a": {"b"}, "b": {"c"}, "c": {"a"}}) == ["a", "b", "c", "a"]
+    assert find_cycle({"a": {"b"}, "b": {"c"}, "c": set()}) is None
+
+
+def test_the_graph_sees_known_edges() -> None:
+    edges = graph()
+    # "from carpool.generation.assembly import EngineCore" is an edge to the module.
+    assert "carpool.generation.assembly" in edges["carpool.generation.vllm_engine"]
+    assert "carpool.generation" in edges  # packages are nodes too
+
+
+def test_no_module_level_import_cycle_in_the_product() -> None:
+    cycle = find_cycle(graph())
+    assert cycle is None, " -> ".join(cycle or [])
+
+
+@pytest.mark.parametrize("package", PACKAGES)
+def test_no_product_module_imports_the_benchmark_harness(package: str) -> None:
+    offenders = {
+        name
+        for name, path in product_modules().items()
+        if name.split(".")[0] == package
+        and any(m == "benchmarks" or m.startswith("benchmarks.") for m in _all_imports(path))
+    }
+    assert not offenders, f"product modules import benchmarks: {sorted(offenders)}"
+
+
+def _all_imports(path: Path) -> set[str]:
+    """Every import anywhere in the file, deferred ones included."""
+    found: set[str] = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            found.update(alias.name for alias in node.names)
+        elif isinstance(node, ast.ImportFrom) and node.module and not node.level:
+            found.add(node.module)
+    return found
