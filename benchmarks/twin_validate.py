@@ -9,12 +9,16 @@ can be redone apart:
 
 ``measure`` runs, for each embed configuration (serve.yaml's embed app as the suite deploys it:
 one torch thread, ``thread_policy: reserved``; knobs overridden per configuration), on one
-private Ray + Serve: a calibration run (1 closed-loop client: the serving latency outside the
-model), 32 closed-loop clients (capacity), Poisson at half of that capacity (latency) and at 3x
-(goodput); and, for generation, ``benchmarks.generation_compare`` (carpool's continuous engine
-in process, greedy, ``ignore_eos``) at 4, 16 and 64 clients. ``report`` runs the twin on the very
-same requests and arrival times with a cost profile, and writes ``benchmarks/TWIN.md`` and
-``benchmarks/twin.json`` (every figure, its error, the median and largest absolute error).
+private Ray + Serve: an idle window and a calibration run (1 closed-loop client: the serving
+path's latency and host CPU), 32 closed-loop clients (capacity), Poisson at half of that
+capacity (latency) and at 3x (goodput), each with the CPU seconds the cluster and the load
+generator used (/proc); then, for each generation configuration, carpool's continuous
+engine in process (as ``benchmarks.generation_compare`` builds it: greedy, ``ignore_eos``):
+a 1-client calibration, closed loops at 4, 16 and 64 clients, and on the default a replay of
+the Azure conversation trace (time and token counts scaled, both stated). ``report`` runs
+the twin on the very same requests and arrival times with a cost profile, and writes
+``benchmarks/TWIN.md`` and ``benchmarks/twin.json`` (every figure, its error, the median and
+largest absolute error, and what was fitted on which calibration run).
 """
 
 from __future__ import annotations
@@ -727,9 +731,13 @@ def markdown(doc: dict, measured: dict) -> str:
         "",
         "A configuration with an `error` in the measurement file is left out of the table.",
     ]
-    extra = ROOT / "benchmarks/results/twin-plan-check.md"
-    if extra.exists():
-        lines += ["", extra.read_text().rstrip()]
+    # Hand-written sections kept beside the measurements, so the report can be regenerated.
+    for extra in (
+        ROOT / "benchmarks/results/twin-notes.md",
+        ROOT / "benchmarks/results/twin-plan-check.md",
+    ):
+        if extra.exists():
+            lines += ["", extra.read_text().rstrip()]
     return "\n".join(lines) + "\n"
 
 
