@@ -705,7 +705,8 @@ def markdown(doc: dict, measured: dict) -> str:
         "private Ray instance; closed-32 runs for the window given, half capacity is Poisson at "
         "half of closed-32's request rate, 3x is Poisson at three times it (300 requests, the "
         "suite's window). The configurations other than `default` change one knob each; the "
-        "twin was fitted on none of them.",
+        "embed side was calibrated on `default` only, and no figure of any configuration was "
+        "fitted on (each generation configuration has its own 1-client calibration run).",
     ]
     if gen:
         lines += [
