@@ -83,11 +83,42 @@ def embed_requests(workload: Workload) -> list[SimRequest]:
     return out
 
 
-def gen_requests(prompt_tokens: list[int], max_tokens: list[int]) -> list[SimRequest]:
+def gen_requests(
+    prompt_tokens: list[int], max_tokens: list[int], first: list[int] | None = None
+) -> list[SimRequest]:
+    """``first``: tokens until each request's first text delta (measured, per prompt)."""
+    first = first or [1] * len(prompt_tokens)
     return [
-        SimRequest("generate", prompt_tokens=p, max_tokens=m, output_tokens=m, model="small")
-        for p, m in zip(prompt_tokens, max_tokens, strict=True)
+        SimRequest(
+            "generate",
+            prompt_tokens=p,
+            max_tokens=m,
+            output_tokens=m,
+            model="small",
+            first_visible=f,
+        )
+        for p, m, f in zip(prompt_tokens, max_tokens, first, strict=True)
     ]
+
+
+async def _first_delta_tokens(server: Any, texts: list[str]) -> list[int]:
+    async def one(text: str) -> int:
+        call = {"prompts": [text], "max_tokens": 4, "temperature": 0.0, "ignore_eos": True,
+                "logprobs": 0}  # fmt: skip
+        async for event in server.stream(call):
+            if event["type"] == "delta" and event["text"]:
+                return max(1, len((event.get("logprobs") or {}).get("tokens") or [None]))
+        return 4
+
+    return list(await asyncio.gather(*(one(t) for t in texts)))
+
+
+def first_delta_tokens(server: Any, texts: list[str]) -> list[int]:
+    """How many tokens each prompt's first visible text delta carries, greedy: the stream
+    holds a token whose text may still change, so a first token that decodes to held text
+    reaches the client with the next (SmolLM2 on 6 of generation_compare's 8 prompts). With
+    ``logprobs`` every delta lists its tokens, which is how they are counted here."""
+    return asyncio.run(_first_delta_tokens(server, texts))
 
 
 # --- measuring ------------------------------------------------------------------------------
@@ -354,7 +385,7 @@ def measure_generation(args: Any) -> dict[str, Any]:
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from benchmarks.generation_compare import workload
+    from benchmarks.generation_compare import PROMPTS, workload
     from carpool.models import resolve_model_source, size_torch_threads
 
     size_torch_threads(None, 1)
@@ -369,6 +400,8 @@ def measure_generation(args: Any) -> dict[str, Any]:
         res: dict[str, Any] = {"knobs": knobs}
         try:
             asyncio.run(_gen_calls(server, workload(1, 4, 4, SEED), 1))  # warm-up
+            if "first_delta_tokens" not in out:
+                out["first_delta_tokens"] = first_delta_tokens(server, PROMPTS)
             calib = workload(GEN_CALIB_REQUESTS, 32, 32, SEED)
             res["calibrate"] = asyncio.run(_gen_calls(server, calib, 1))
             for clients in clients_list:
@@ -383,6 +416,9 @@ def measure_generation(args: Any) -> dict[str, Any]:
                 times, calls, prompts = trace_calls(tokenizer, args)
                 print(f"generation: trace, {len(calls)} requests", file=sys.stderr, flush=True)
                 r = asyncio.run(_gen_calls(server, calls, times=times))
+                r["first_delta_tokens"] = first_delta_tokens(
+                    server, [c["prompts"][0] for c in calls]
+                )
                 res["trace"] = {**r, "times": times, "prompt_tokens": prompts,
                                 "max_tokens": [c["max_tokens"] for c in calls],
                                 "rate": args.trace_rate, "token_scale": args.trace_token_scale,
@@ -509,8 +545,12 @@ def gen_spec(
     return spec
 
 
-def _gen_closed(spec: TwinSpec, prompts: list[int], calls: list[dict], clients: int) -> SimResult:
-    reqs = gen_requests(prompts, [c["max_tokens"] for c in calls])
+def _gen_closed(
+    spec: TwinSpec, prompts: list[int], calls: list[dict], clients: int, first: list[int]
+) -> SimResult:
+    """Closed loop over generation_compare's calls: prompt ``i`` is ``PROMPTS[i % 8]``."""
+    reqs = gen_requests(prompts, [c["max_tokens"] for c in calls],
+                        [first[i % len(first)] for i in range(len(calls))])  # fmt: skip
     return spec.build().run(clients=clients, requests=reqs, max_requests=len(reqs), warmup_s=0,
                             duration_s=math.inf)  # fmt: skip
 
@@ -522,6 +562,7 @@ def predict_generation(profile: dict, measured: dict) -> dict[str, Any]:
     from benchmarks.generation_compare import PROMPTS, workload
 
     tokens = measured["prompt_tokens"]
+    first = measured.get("first_delta_tokens") or [1] * len(PROMPTS)
     out: dict[str, Any] = {}
     for name, m in measured.items():
         if not isinstance(m, dict) or "knobs" not in m or "calibrate" not in m:
@@ -535,9 +576,13 @@ def predict_generation(profile: dict, measured: dict) -> dict[str, Any]:
         # other a little: a few rounds settle them.
         step_ms = fixed_ms = 0.0
         for _ in range(4):
-            bare = _gen_closed(gen_spec(profile, m["knobs"], step_ms, fixed_ms), prompts, calls, 1)
+            bare = _gen_closed(
+                gen_spec(profile, m["knobs"], step_ms, fixed_ms), prompts, calls, 1, first
+            )
             fixed_ms = max(0.0, fixed_ms + cal["ttft_p50_ms"] - bare.ttft_p50_ms)
-            bare = _gen_closed(gen_spec(profile, m["knobs"], step_ms, fixed_ms), prompts, calls, 1)
+            bare = _gen_closed(
+                gen_spec(profile, m["knobs"], step_ms, fixed_ms), prompts, calls, 1, first
+            )
             step_ms = max(
                 0.0, step_ms + 1000 * (cal["wall_s"] - bare.window_s) / max(cal["engine_steps"], 1)
             )
@@ -550,10 +595,10 @@ def predict_generation(profile: dict, measured: dict) -> dict[str, Any]:
             if key.isdigit() and "tokens_per_s" in r:
                 calls = workload(r["requests"], 8, 256, SEED)
                 prompts = [tokens[i % len(PROMPTS)] for i in range(len(calls))]
-                res[key] = _gen_closed(spec, prompts, calls, int(key)).as_dict()
+                res[key] = _gen_closed(spec, prompts, calls, int(key), first).as_dict()
         if "trace" in m and "tokens_per_s" in m["trace"]:
             t = m["trace"]
-            reqs = gen_requests(t["prompt_tokens"], t["max_tokens"])
+            reqs = gen_requests(t["prompt_tokens"], t["max_tokens"], t.get("first_delta_tokens"))
             arrivals = list(zip(t["times"], reqs, strict=True))
             res["trace"] = spec.build().run(arrivals=arrivals, warmup_s=0).as_dict()
         out[name] = res

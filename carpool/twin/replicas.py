@@ -48,6 +48,11 @@ class SimRequest:
     text: str = ""
     priority: str = "interactive"
     small_mean_logprob: float = 0.0
+    # Tokens until a client sees the first text: the stream holds a token back while its text
+    # may still change (a partial character, a newline the next token may merge into), so a
+    # first token that decodes to held text arrives with the second. A property of the prompt
+    # and model, measured (benchmarks/twin_validate.py: first_delta_tokens).
+    first_visible: int = 1
 
     @property
     def items(self) -> int:
@@ -374,6 +379,8 @@ class GeneratorReplica:
             seq.num_computed += 1
             seq.generated += 1
             events.tokens += 1
+            if seq.generated == seq.req.first_visible:
+                events.first.append(seq.tag)
             if seq.generated >= seq.req.produced:
                 ended.append(seq)
         for seq, n in plan.prefill:
@@ -383,10 +390,13 @@ class GeneratorReplica:
                 self.decoding.append(seq)
                 seq.generated = 1  # the prompt's last position samples the first token
                 events.tokens += 1
-                events.first.append(seq.tag)
+                if seq.req.first_visible <= 1:
+                    events.first.append(seq.tag)
                 if seq.generated >= seq.req.produced:
                     ended.append(seq)
         for seq in ended:
+            if seq.generated < seq.req.first_visible:
+                events.first.append(seq.tag)  # the end flushes whatever text was held
             self.decoding.remove(seq)
             self.ongoing -= 1
             self._finished += 1

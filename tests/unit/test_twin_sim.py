@@ -310,3 +310,14 @@ def test_a_step_is_priced_padded_as_the_slot_runner_computes_it() -> None:
     for seq in replica.decoding:
         seq.num_computed += 1  # contexts 5 and 17
     assert replica.step_ms(replica.decoding, []) == pytest.approx(2 * 18)
+
+
+def test_first_text_can_wait_for_the_second_token() -> None:
+    # Prefill 30 ms, decode 10 ms: a first token whose text is held shows at 40 ms.
+    entry = generator_entry(30.0, 10.0)
+    pool = Pool("small", [GeneratorReplica("g", {"max_num_seqs": 8}, entry)])
+    req = SimRequest("generate", prompt_tokens=20, max_tokens=11, model="small", first_visible=2)
+    result = Twin({"small": pool}).run(
+        clients=1, requests=[req], duration_s=20, warmup_s=2, drain=False
+    )
+    assert result.ttft_p50_ms == pytest.approx(40.0, rel=0.01)
