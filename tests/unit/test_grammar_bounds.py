@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import threading
+from collections.abc import Callable, Coroutine
 from typing import Any
 
 import pytest
@@ -33,6 +34,15 @@ def schema(i: int) -> OutputConstraint:
     return OutputConstraint(kind="json_schema", schema=f'{{"title":"s{i}"}}')
 
 
+def run_then_close(compiler: SlowCompiler, main: Callable[[], Coroutine[Any, Any, None]]) -> None:
+    """Run the test's coroutine; whatever happens, let blocked compiles finish and stop."""
+    try:
+        asyncio.run(main())
+    finally:
+        compiler.release.set()
+        compiler.close()
+
+
 def test_a_full_compile_queue_refuses_new_schemas_but_not_known_ones() -> None:
     compiler = SlowCompiler()
 
@@ -47,11 +57,7 @@ def test_a_full_compile_queue_refuses_new_schemas_but_not_known_ones() -> None:
         assert await joined == 'grammar for {"title":"s0"}'
         await asyncio.gather(*waiting)
 
-    try:
-        asyncio.run(main())
-    finally:
-        compiler.release.set()
-        compiler.close()
+    run_then_close(compiler, main)
     assert compiler.compiles == 3
 
 
@@ -62,15 +68,15 @@ def test_a_slow_compile_times_out_and_lands_in_the_cache_later() -> None:
         with pytest.raises(GrammarTimeout):
             await compiler.compile_async(schema(1), timeout_s=0.05)
         compiler.release.set()
-        await asyncio.sleep(0.1)
+        # A loaded machine may take a while to run the compile thread: wait for it, bounded.
+        for _ in range(200):
+            if compiler.waiting() == 0:
+                break
+            await asyncio.sleep(0.05)
         # Compiled meanwhile: the next request gets it from the cache at once.
         assert await compiler.compile_async(schema(1), timeout_s=0.05) == (
             'grammar for {"title":"s1"}'
         )
 
-    try:
-        asyncio.run(main())
-    finally:
-        compiler.release.set()
-        compiler.close()
+    run_then_close(compiler, main)
     assert compiler.compiles == 1
