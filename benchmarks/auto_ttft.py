@@ -176,11 +176,8 @@ def _mix_ratio(per_model: dict[str, list[dict[str, Any]]]) -> float | None:
     auto = [x for x in per_model["auto"] if x["ttft_s"] is not None]
     if not auto:
         return None
-    expected = []
-    for x in auto:
-        direct = ttft_stats(per_model.get(x["chosen"], []))
-        if direct["n"]:
-            expected.append(direct["p50_ms"])
+    direct = {m: ttft_stats(per_model.get(m, [])) for m in {x["chosen"] for x in auto}}
+    expected = [direct[x["chosen"]]["p50_ms"] for x in auto if direct[x["chosen"]]["n"]]
     if not expected:
         return None
     return ttft_stats(auto)["p50_ms"] / statistics.mean(expected)

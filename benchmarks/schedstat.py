@@ -55,14 +55,13 @@ def busy_windows(snaps: list[dict[str, Any]], comm: str, share: float) -> list[t
     for i in range(1, len(snaps)):
         a, b = snaps[i - 1], snaps[i]
         dt = b["t"] - a["t"]
-        ran = (
-            max(
-                ((run - a["tasks"][tid][3]) / 1e9 / dt)
+        ran = max(
+            (
+                (run - a["tasks"][tid][3]) / 1e9 / dt
                 for tid, (_, name, _, run, _) in b["tasks"].items()
                 if name.startswith(comm) and tid in a["tasks"]
-            )
-            if any(n[1].startswith(comm) for n in b["tasks"].values())
-            else 0.0
+            ),
+            default=0.0,
         )
         busy.append(ran > share)
     windows, start = [], None
