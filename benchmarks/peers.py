@@ -587,18 +587,23 @@ def carpool_cluster(
     return start, stop
 
 
-def carpool_system(app: str, log_dir: Path) -> SystemSpec:
+def carpool_system(
+    app: str,
+    log_dir: Path,
+    layout: Callable[[dict[str, Any]], None] | None = None,
+    name: str = "carpool",
+) -> SystemSpec:
     """carpool's serve.yaml, only ``app`` (and what it calls), on a private Ray."""
-    start, stop = carpool_cluster([app])
+    start, stop = carpool_cluster([app], layout)
     port = PORTS["carpool"]
     prefix = "/" + app
 
     def target(endpoint: str) -> Target:
         if app == "embed":
-            return EmbeddingsTarget("carpool", prefix)
-        return StreamingTarget("carpool", prefix, endpoint)
+            return EmbeddingsTarget(name, prefix)
+        return StreamingTarget(name, prefix, endpoint)
 
-    return SystemSpec("carpool", f"http://{HOST}:{port}", target, start, stop)
+    return SystemSpec(name, f"http://{HOST}:{port}", target, start, stop)
 
 
 def process_system(
@@ -892,8 +897,8 @@ def summarise_embed(rounds: Sequence[dict[str, Any]]) -> dict[str, Any]:
 def generate_systems(names: Sequence[str], log_dir: Path, args: argparse.Namespace) -> list:
     out = []
     for name in names:
-        if name == "carpool":
-            out.append(carpool_system("generate", log_dir))
+        if name in CARPOOL_LAYOUTS:
+            out.append(carpool_system("generate", log_dir, CARPOOL_LAYOUTS[name], name))
         elif name in VLLM_VARIANTS:
             venv = ensure_installed(INSTALLS["vllm"])
             if not (SMOLLM2_DIR / "config.json").is_file():
@@ -1079,11 +1084,32 @@ def allcores_layout(config: dict[str, Any]) -> None:
     small.setdefault("vllm", {})["cpu_reserved_cores"] = 0
 
 
-# carpool's mixed-load variants: serve.yaml with one thread layout changed.
+def streaming_layout(direct: bool) -> Callable[[dict[str, Any]], None]:
+    """serve.yaml with the generate app's HTTP served by a separate ingress deployment
+    (``direct=False``) or by the small generator's replica itself (``direct=True``)."""
+
+    def layout(config: dict[str, Any]) -> None:
+        entry = app_entry(config, "generate")
+        entry["args"]["direct_streaming"] = direct
+        if direct:  # no ingress deployment to give replicas to
+            entry["deployments"] = [
+                d for d in entry.get("deployments", []) if d["name"] != "generate_ingress"
+            ]
+        else:
+            names = {d["name"] for d in entry.setdefault("deployments", [])}
+            if "generate_ingress" not in names:
+                entry["deployments"].append({"name": "generate_ingress", "num_replicas": 2})
+
+    return layout
+
+
+# carpool's variants: serve.yaml with one layout changed (generate and mixed runs).
 CARPOOL_LAYOUTS: dict[str, Callable[[dict[str, Any]], None] | None] = {
     "carpool": None,
     "carpool-reserved": reserved_layout,
     "carpool-allcores": allcores_layout,
+    "carpool-direct": streaming_layout(direct=True),
+    "carpool-ingress": streaming_layout(direct=False),
 }
 
 

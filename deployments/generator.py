@@ -20,6 +20,7 @@ import asyncio
 import logging
 import time
 from collections.abc import AsyncIterator, Sequence
+from contextlib import aclosing
 from typing import Any
 
 from ray import serve
@@ -45,6 +46,7 @@ from carpool.generation.structured import (
     GrammarTimeout,
     GrammarUnavailable,
     OutputConstraint,
+    compile_refusal,
 )
 from carpool.generation.vllm_env import check_replica_environment
 from deployments.generator_config import (
@@ -285,28 +287,8 @@ class GeneratorServer:
             return await self._grammars.compile_async(
                 constraint, limits.grammar_compile_timeout_s, limits.max_grammar_compiles_waiting
             )
-        except ConstraintError as exc:
-            raise RequestError(400, f"{param}: {exc}; fix the schema", param=param) from None
-        except GrammarUnavailable as exc:
-            raise RequestError(
-                400, f"{param} is not available on model {self.name!r}: {exc}", param=param
-            ) from None
-        except GrammarTimeout as exc:
-            raise RequestError(
-                400,
-                f"{param}: {exc} on model {self.name!r} (limits.grammar_compile_timeout_s); "
-                "simplify the schema or retry once it is cached",
-                param=param,
-                code="grammar_compile_timeout",
-            ) from None
-        except GrammarBusy as exc:
-            raise RequestError(
-                503,
-                f"{param}: {exc} on model {self.name!r}; retry after the Retry-After delay",
-                param=param,
-                code="grammar_queue_full",
-                retry_after_s=1.0,
-            ) from None
+        except (ConstraintError, GrammarUnavailable, GrammarTimeout, GrammarBusy) as exc:
+            raise compile_refusal(exc, param, self.name) from None
 
     # --- requests -------------------------------------------------------------------------
 
@@ -374,20 +356,21 @@ class GeneratorServer:
         reasons: dict[int, str] = {}
         records: dict[int, list[dict[str, Any]]] = {}
         completion = prompt_tokens = 0
-        async for kind, value in self._events(call):
-            if kind == "start":
-                prompt_tokens = value
-                continue
-            for event in value:
-                texts.setdefault(event.index, []).append(event.text)
-                if call.logprobs is not None:
-                    records.setdefault(event.index, []).append(self._logprobs(event))
-                if event.index == 0:
-                    token_ids.extend(event.token_ids)
-                    token_logprobs.extend(event.token_logprobs)
-                if event.finish_reason is not None:
-                    reasons[event.index] = event.finish_reason
-                    completion += event.completion_tokens
+        async with aclosing(self._events(call)) as events:
+            async for kind, value in events:
+                if kind == "start":
+                    prompt_tokens = value
+                    continue
+                for event in value:
+                    texts.setdefault(event.index, []).append(event.text)
+                    if call.logprobs is not None:
+                        records.setdefault(event.index, []).append(self._logprobs(event))
+                    if event.index == 0:
+                        token_ids.extend(event.token_ids)
+                        token_logprobs.extend(event.token_logprobs)
+                    if event.finish_reason is not None:
+                        reasons[event.index] = event.finish_reason
+                        completion += event.completion_tokens
         choices: list[dict[str, Any]] = [
             {"index": i, "text": "".join(texts.get(i, [])), "finish_reason": reasons[i]}
             for i in sorted(reasons)
@@ -415,27 +398,30 @@ class GeneratorServer:
         held = StreamCoalescer(
             self.batching.stream_interval_tokens, self.batching.stream_interval_ms
         )
-        async for kind, value in self._events(call):
-            if kind == "start":
-                prompt_tokens = value
-                yield {"type": "start", "model": self.name, "prompt_tokens": value}
-                continue
-            for event in held.add(value):
-                if event.finish_reason is not None:
-                    completion += event.completion_tokens
-                # A token whose text is held back (a partial character, a possible stop
-                # string) still gets its own delta when logprobs are asked for.
-                with_logprobs = call.logprobs is not None and bool(event.token_ids)
-                if event.text or event.finish_reason is not None or with_logprobs:
-                    delta: dict[str, Any] = {
-                        "type": "delta",
-                        "index": event.index,
-                        "text": event.text,
-                        "finish_reason": event.finish_reason,
-                    }
-                    if call.logprobs is not None:
-                        delta["logprobs"] = self._logprobs(event)
-                    yield delta
+        # aclosing (here and in generate): a caller that stops iterating (a closed local
+        # stream) aborts the sequences now, not when the garbage collector gets to them.
+        async with aclosing(self._events(call)) as events:
+            async for kind, value in events:
+                if kind == "start":
+                    prompt_tokens = value
+                    yield {"type": "start", "model": self.name, "prompt_tokens": value}
+                    continue
+                for event in held.add(value):
+                    if event.finish_reason is not None:
+                        completion += event.completion_tokens
+                    # A token whose text is held back (a partial character, a possible stop
+                    # string) still gets its own delta when logprobs are asked for.
+                    with_logprobs = call.logprobs is not None and bool(event.token_ids)
+                    if event.text or event.finish_reason is not None or with_logprobs:
+                        delta: dict[str, Any] = {
+                            "type": "delta",
+                            "index": event.index,
+                            "text": event.text,
+                            "finish_reason": event.finish_reason,
+                        }
+                        if call.logprobs is not None:
+                            delta["logprobs"] = self._logprobs(event)
+                        yield delta
         yield {"type": "end", "prompt_tokens": prompt_tokens, "completion_tokens": completion}
 
 
@@ -486,14 +472,20 @@ class GeneratorDeployment(GeneratorServer):
         self._collect.set_batch_wait_timeout_s(self.batching.batch_wait_timeout_s)
 
 
-def build_generator_deployment(config: GeneratorConfig, name: str) -> Application:
-    """Applies the Serve options from ``config`` and binds the deployment."""
+def build_generator_deployment(
+    config: GeneratorConfig,
+    name: str,
+    deployment_cls: type[GeneratorDeployment] = GeneratorDeployment,
+    bind_args: Sequence[Any] = (),
+) -> Application:
+    """Applies the Serve options from ``config`` and binds the deployment (a subclass, such
+    as the generate app's direct-streaming ingress, gets ``bind_args`` after the config)."""
     return (
-        serve.deployment(GeneratorDeployment)
+        serve.deployment(deployment_cls)
         .options(
             **config.serve_options(name),
             user_config=config.batching.model_dump(),
             graceful_shutdown_timeout_s=graceful_shutdown_s(config),
         )
-        .bind(config.model_dump())
+        .bind(config.model_dump(), *bind_args)
     )

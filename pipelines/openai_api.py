@@ -75,15 +75,16 @@ class OpenAIArgs(StrictModel):
 class Pipeline:
     """How to reach one kind of pipeline in another app."""
 
-    ingress: str  # the app's ingress deployment, asked for its settings()
+    ingress: tuple[str, ...]  # the app's ingress deployment, by each name it may have
     handler: Any  # a *Handler class with attach(app, settings)
 
 
 PIPELINES: dict[str, Pipeline] = {
-    "embed": Pipeline(embed.EMBED_INGRESS, embed.EmbedHandler),
-    "rank": Pipeline(rank.RANK_INGRESS, rank.RankHandler),
-    "generate": Pipeline(generate.GENERATE_INGRESS, generate.GenerateHandler),
-    "rag": Pipeline(rag.RAG_INGRESS, rag.RagHandler),
+    "embed": Pipeline((embed.EMBED_INGRESS,), embed.EmbedHandler),
+    "rank": Pipeline((rank.RANK_INGRESS,), rank.RankHandler),
+    # With direct_streaming the small generator is the generate app's ingress.
+    "generate": Pipeline((generate.GENERATE_INGRESS, "small"), generate.GenerateHandler),
+    "rag": Pipeline((rag.RAG_INGRESS,), rag.RagHandler),
 }
 
 # Which pipelines answer at each endpoint, the default (for an omitted model) first. Chat:
@@ -103,6 +104,16 @@ SETTINGS_TTL_S = 10.0
 # How long a pipeline's ingress may take to report its settings before the request that
 # needed them gets a 503 (an app being deployed, or one that was deleted).
 SETTINGS_TIMEOUT_S = 10.0
+
+
+def _ingress_handle(names: tuple[str, ...], app: str) -> Any:
+    """A handle to ``app``'s ingress: the first of ``names`` deployed there (KeyError if none)."""
+    for name in names[:-1]:
+        try:
+            return serve.get_deployment_handle(name, app_name=app)
+        except KeyError:
+            continue
+    return serve.get_deployment_handle(names[-1], app_name=app)
 
 
 def pick_pipeline(
@@ -202,7 +213,7 @@ class OpenAIIngress:
         pipeline = PIPELINES[kind]
         try:
             # By name at first use: apps deploy in any order (as the rag app does).
-            ingress = serve.get_deployment_handle(pipeline.ingress, app_name=app)
+            ingress = _ingress_handle(pipeline.ingress, app)
             # Bounded: a handle to a deleted app waits for replicas that never come. (A
             # timeout scope: wait_for can lose a cancellation on CPython 3.11, gh-86296.)
             async with asyncio.timeout(SETTINGS_TIMEOUT_S):

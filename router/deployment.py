@@ -143,6 +143,12 @@ class RouterDeployment(RouterServer):
         self._deployments = {SMALL: f"{app}/small", LARGE: f"{app}/large"}
         self._router = f"{app}/{ROUTER_NAME}"
         self._live = live_replicas()
+        if small is None:
+            # The small generator is this app's ingress (direct streaming) and binds this
+            # router, so the router finds it by name instead.
+            from ray import serve
+
+            small = serve.get_deployment_handle(SMALL, app_name=app)
         clients: dict[str, GeneratorClient] = {SMALL: _HandleClient(small, self._live.count)}
         if large is not None:
             clients[LARGE] = _HandleClient(large, self._live.count)

@@ -27,6 +27,8 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any, Literal
 
+from carpool.errors import RequestError
+
 # Most characters of one schema (its compact JSON): compile time grows with the schema, and
 # compiling runs in the replica, so a bound keeps one request from holding it for long.
 MAX_SCHEMA_CHARS = 32_768
@@ -218,6 +220,29 @@ class GrammarBusy(Exception):
 
 class GrammarTimeout(Exception):
     """A schema took longer than the compile timeout (400: simplify it)."""
+
+
+def compile_refusal(exc: Exception, param: str, model: str) -> RequestError:
+    """The client's answer to a grammar that could not be compiled, by what went wrong."""
+    if isinstance(exc, GrammarUnavailable):
+        return RequestError(400, f"{param} is not available on model {model!r}: {exc}", param=param)
+    if isinstance(exc, GrammarTimeout):
+        return RequestError(
+            400,
+            f"{param}: {exc} on model {model!r} (limits.grammar_compile_timeout_s); "
+            "simplify the schema or retry once it is cached",
+            param=param,
+            code="grammar_compile_timeout",
+        )
+    if isinstance(exc, GrammarBusy):
+        return RequestError(
+            503,
+            f"{param}: {exc} on model {model!r}; retry after the Retry-After delay",
+            param=param,
+            code="grammar_queue_full",
+            retry_after_s=1.0,
+        )
+    return RequestError(400, f"{param}: {exc}; fix the schema", param=param)
 
 
 class ConstraintCompiler:

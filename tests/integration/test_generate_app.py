@@ -46,12 +46,15 @@ def _generator(path: str, mode: str, name: str) -> dict[str, Any]:
     }
 
 
-@pytest.fixture(scope="module")
-def app(serve_http: str, tiny_lm: str):
+# Both shapes of the app answer every test: a separate ingress in front of the generators,
+# and the small generator's replica serving the HTTP itself (direct_streaming).
+@pytest.fixture(scope="module", params=["ingress", "direct"])
+def app(serve_http: str, tiny_lm: str, request: pytest.FixtureRequest):
     args = {
         "small": _generator(tiny_lm, "continuous", "tiny-small"),
         "large": _generator(tiny_lm, "static", "tiny-large"),
         "ingress": {"num_cpus": 0.1},
+        "direct_streaming": request.param == "direct",
     }
     serve.run(build_generate_app(args), name="it-generate", route_prefix=PREFIX)
     yield serve_http + PREFIX

@@ -135,3 +135,41 @@ def test_a_cancelled_stream_always_aborts_its_sequence(server) -> None:
     while engine.running and time.monotonic() < deadline:
         time.sleep(0.01)
     assert engine.running == []  # no slot kept generating
+
+
+def test_a_local_stream_closed_between_events_aborts_its_sequence(server) -> None:
+    """Direct streaming: the HTTP handler reads the replica's own stream in-process
+    (``LocalHandle``) and, when the client leaves between messages, closes it."""
+    from carpool.admission import open_stream
+    from carpool.local_handle import LocalHandle
+
+    engine: TickingEngine = server.engine
+    submitted: list[GenSequence] = []
+    real_enqueue = engine._enqueue
+
+    def spy(seqs: list[GenSequence]) -> None:
+        submitted.extend(seqs)
+        real_enqueue(seqs)
+
+    engine._enqueue = spy  # type: ignore[method-assign]
+    rng = random.Random(1)
+    call = {"prompts": ["hello"], "max_tokens": 50_000}
+
+    kept = []  # held, so no stream is closed by the garbage collector instead of cancel()
+
+    async def main() -> None:
+        for _ in range(200):
+            events, _first = await open_stream(LocalHandle(server), call)
+            kept.append(events)
+            for _ in range(rng.randrange(0, 4)):
+                await events.__anext__()
+            events.cancel()
+        await asyncio.sleep(0.05)  # the closes run as tasks on this loop
+        assert [s for s in submitted if s.id not in engine.aborted] == []
+
+    asyncio.run(main())
+    assert len(submitted) == 200
+    deadline = time.monotonic() + 30
+    while engine.running and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert engine.running == []

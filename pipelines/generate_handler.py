@@ -1,0 +1,482 @@
+"""The generate pipeline's request handling: route by ``model``, answer whole or as SSE.
+
+``GenerateHandler`` answers over handles to the generators (and the router): the generate
+app's ingress, the generator replica that serves its own HTTP (direct streaming) and the
+OpenAI app (``pipelines.openai_api``) all answer with it, so a request is checked, routed
+and formatted the same whichever URL and process it came in by.
+"""
+
+import json
+import logging
+from collections.abc import AsyncIterator, Callable
+from typing import Any, Literal
+
+from fastapi.responses import JSONResponse
+from pydantic import Field
+from ray import serve
+from ray.serve.handle import DeploymentHandle
+
+from carpool.admission import open_stream
+from carpool.config import IngressConfig, ModelSourceConfig, StrictModel
+from carpool.errors import RequestError, find_request_error
+from carpool.generation.logprobs import chat_logprobs, completion_logprobs
+from carpool.generation.responses import (
+    ChatChoice,
+    ChatChunkChoice,
+    ChatCompletionChunk,
+    ChatCompletionResponse,
+    ChatDelta,
+    ChatMessageOut,
+    CompletionChoice,
+    CompletionResponse,
+    ToolCallOut,
+    UsageInfo,
+    new_id,
+    now,
+)
+from carpool.generation.schemas import ChatCompletionRequest, CompletionRequest, GenerationCall
+from carpool.generation.tool_schemas import NamedToolChoice
+from carpool.generation.tools import ToolParser
+from carpool.http import (
+    ClosingStreamingResponse,
+    call_backend,
+    call_idempotent,
+    current_controls,
+    error_response,
+)
+from carpool.schemas import ModelCard
+from deployments.generator_config import DEFAULT_LARGE, DEFAULT_SMALL, GeneratorConfig
+from pipelines.handler import PipelineHandler
+from router.server import RouterConfig
+
+logger = logging.getLogger(__name__)
+
+TIERS = ("small", "large")
+# Deployment names other apps find this pipeline's parts by (serve.get_deployment_handle); the
+# generators are named by their tier.
+GENERATE_INGRESS = "generate_ingress"
+ROUTER_DEPLOYMENT = "router"
+
+
+class GenerateArgs(StrictModel):
+    """Arguments of the generate pipeline (the ``args:`` of its serve config entry)."""
+
+    small: GeneratorConfig = Field(
+        default_factory=lambda: GeneratorConfig(source=ModelSourceConfig(model=DEFAULT_SMALL)),
+        description="The small generator (default SmolLM2-135M-Instruct).",
+    )
+    large: GeneratorConfig | None = Field(
+        default_factory=lambda: GeneratorConfig(source=ModelSourceConfig(model=DEFAULT_LARGE)),
+        description="The large generator (default Qwen2.5-Coder-0.5B-Instruct); null "
+        "deploys only the small one.",
+    )
+    default_model: Literal["small", "large", "auto"] = Field(
+        default="small", description="Model used when a request omits `model`."
+    )
+    router: RouterConfig | None = Field(
+        default_factory=RouterConfig,
+        description='The router behind `model: "auto"` (length prediction, lanes, '
+        "small/large choice); null serves explicit models only.",
+    )
+    direct_streaming: bool = Field(
+        default=False,
+        description="The small generator's replicas serve this app's HTTP themselves (Ray "
+        "Serve LLM's direct streaming): a small answer's tokens go replica -> proxy -> "
+        "client, one process hop fewer than through the separate ingress. Requests for "
+        "large and auto are answered by those replicas too, over handles, so HTTP capacity "
+        "follows small's replica count and a busy small replica delays them: off in the "
+        "cluster configs (docs/generation.md, Direct streaming). `ingress` then only sets "
+        "the default deadline.",
+    )
+    ingress: IngressConfig = Field(default_factory=IngressConfig)
+
+
+def sse(payload: Any) -> str:
+    return f"data: {json.dumps(payload, separators=(',', ':'))}\n\n"
+
+
+def decision_headers(record: dict[str, Any] | None) -> dict[str, str]:
+    """``x-carpool-*`` headers saying what the router decided (empty for explicit models)."""
+    if not record:
+        return {}
+    return {f"x-carpool-{k.replace('_', '-')}": str(v) for k, v in record.items() if k != "reason"}
+
+
+def _answered_by(result: dict[str, Any], requested: str) -> str:
+    return result.get("carpool", {}).get("model", requested)
+
+
+def _with_decision(body: dict[str, Any], record: dict[str, Any] | None) -> JSONResponse:
+    if record:
+        body["carpool"] = record
+    return JSONResponse(body, headers=decision_headers(record))
+
+
+def with_controls(call: GenerationCall) -> dict[str, Any]:
+    """The call as sent downstream, with this request's deadline and priority."""
+    controls = current_controls()
+    return call.model_copy(
+        update={"deadline": controls.deadline, "priority": controls.priority}
+    ).model_dump()
+
+
+def _chat_logprobs(record: dict[str, Any] | None) -> dict[str, Any] | None:
+    return None if record is None else chat_logprobs(record)
+
+
+def tool_parser(body: ChatCompletionRequest) -> Callable[[], ToolParser] | None:
+    """Makes a per-choice tool-call parser when the request has tools in play, else None."""
+    mode = body.tool_mode()
+    if mode == "none":
+        return None
+    names = [t.function.name for t in body.tools or []]
+    named = (
+        body.tool_choice.function.name if isinstance(body.tool_choice, NamedToolChoice) else None
+    )
+    return lambda: ToolParser(mode, names, named)
+
+
+def _without_null_tool_calls(body: dict[str, Any]) -> dict[str, Any]:
+    """OpenAI leaves ``tool_calls`` out of a message or delta that has none."""
+    for choice in body.get("choices", []):
+        for key in ("message", "delta"):
+            part = choice.get(key)
+            if isinstance(part, dict) and part.get("tool_calls") is None:
+                part.pop("tool_calls", None)
+    return body
+
+
+def _usage(counts: dict[str, Any]) -> UsageInfo:
+    prompt, completion = counts["prompt_tokens"], counts["completion_tokens"]
+    return UsageInfo(
+        prompt_tokens=prompt, completion_tokens=completion, total_tokens=prompt + completion
+    )
+
+
+class GenerateHandler(PipelineHandler):
+    """The generate pipeline's request handling over its generator (and router) handles.
+
+    The generate app's ingress and the OpenAI app (``pipelines.openai_api``) both answer with
+    it, so a request is checked, routed to a tier and answered (or streamed) the same whichever
+    URL it came in by.
+    """
+
+    def __init__(
+        self,
+        small: DeploymentHandle,
+        large: DeploymentHandle | None,
+        args: GenerateArgs,
+        router: DeploymentHandle | None = None,
+        created: int | None = None,
+    ) -> None:
+        self.args = args
+        self.created = created or now()
+        self.handles: dict[str, DeploymentHandle] = {"small": small}
+        configs: dict[str, GeneratorConfig] = {"small": self.args.small}
+        if large is not None and self.args.large is not None:
+            self.handles["large"] = large
+            configs["large"] = self.args.large
+        self.configs = configs
+        if router is not None:
+            # "auto": the router picks small or large per request (and may escalate).
+            self.handles["auto"] = router
+        # Clients may name a tier or the model behind it.
+        self.aliases = {tier: tier for tier in self.handles}
+        for tier, cfg in configs.items():
+            self.aliases.setdefault(cfg.source.served_model_name or tier, tier)
+        self._described: dict[str, dict[str, Any]] = {}
+
+    def _route(self, requested: str | None) -> tuple[str, DeploymentHandle, str]:
+        name = requested or self.args.default_model
+        tier = self.aliases.get(name)
+        if tier is None:
+            raise RequestError(
+                404,
+                f"model {name!r} is not served here; use one of {sorted(self.aliases)}",
+                param="model",
+                code="model_not_found",
+            )
+        return tier, self.handles[tier], name
+
+    @classmethod
+    def attach(cls, app: str, settings: dict[str, Any]) -> "GenerateHandler":
+        """The handler of a running generate app, from its ingress's ``settings()``."""
+        args = GenerateArgs.model_validate(settings["args"])
+
+        def handle(tier: str) -> DeploymentHandle:
+            return serve.get_deployment_handle(tier, app_name=app)
+
+        return cls(
+            handle("small"),
+            handle("large") if args.large is not None else None,
+            args,
+            handle(ROUTER_DEPLOYMENT) if args.router is not None else None,
+            settings["created"],
+        )
+
+    def served_names(self) -> list[str]:
+        """Every name ``model`` may take here: the tiers and the served names behind them."""
+        return sorted(self.aliases)
+
+    # --- completions ----------------------------------------------------------------------
+
+    async def completion_response(self, body: CompletionRequest) -> Any:
+        tier, handle, model = self._route(body.model)
+        call = with_controls(GenerationCall.from_completion(body))
+        if body.stream:
+            return await self._stream(
+                tier,
+                handle,
+                call,
+                model,
+                lambda answered: self._completion_chunks(answered, body.include_usage()),
+            )
+        result = await call_idempotent(tier, lambda: handle.generate.remote(call))
+        response = CompletionResponse(
+            model=_answered_by(result, model),
+            choices=[
+                CompletionChoice(
+                    index=c["index"],
+                    text=c["text"],
+                    finish_reason=c["finish_reason"],
+                    logprobs=completion_logprobs(c["logprobs"]) if "logprobs" in c else None,
+                )
+                for c in result["choices"]
+            ],
+            usage=_usage(result),
+        )
+        return _with_decision(response.model_dump(), result.get("carpool"))
+
+    def _completion_chunks(
+        self, model: str, include_usage: bool
+    ) -> Callable[[dict[str, Any]], list[dict[str, Any]]]:
+        chunk_id, created = new_id("cmpl"), now()
+        # Characters each choice has streamed so far: where its next token's text_offset is.
+        offsets: dict[int, int] = {}
+
+        def chunk(choices: list[dict[str, Any]], usage: Any = None) -> dict[str, Any]:
+            return {
+                "id": chunk_id,
+                "object": "text_completion",
+                "created": created,
+                "model": model,
+                "choices": choices,
+                "usage": usage,
+            }
+
+        def fmt(event: dict[str, Any]) -> list[dict[str, Any]]:
+            if event["type"] == "delta":
+                logprobs = None
+                record = event.get("logprobs")
+                if record is not None:
+                    start = offsets.get(event["index"], 0)
+                    logprobs = completion_logprobs(record, start)
+                    offsets[event["index"]] = start + sum(len(t) for t in record["tokens"])
+                return [
+                    chunk(
+                        [
+                            {
+                                "index": event["index"],
+                                "text": event["text"],
+                                "finish_reason": event["finish_reason"],
+                                "logprobs": logprobs,
+                            }
+                        ]
+                    )
+                ]
+            if event["type"] == "end" and include_usage:
+                return [chunk([], _usage(event).model_dump())]
+            return []
+
+        return fmt
+
+    # --- chat -----------------------------------------------------------------------------
+
+    async def chat_response(self, body: ChatCompletionRequest) -> Any:
+        tier, handle, model = self._route(body.model)
+        call = with_controls(GenerationCall.from_chat(body))
+        if body.stream:
+            return await self._stream(
+                tier,
+                handle,
+                call,
+                model,
+                lambda answered: self._chat_chunks(
+                    answered, body.choices_per_prompt(), body.include_usage(), tool_parser(body)
+                ),
+            )
+        result = await call_idempotent(tier, lambda: handle.generate.remote(call))
+        parser = tool_parser(body)
+        choices = []
+        for c in result["choices"]:
+            content, calls, reason = c["text"], None, c["finish_reason"]
+            if parser is not None:
+                answer = parser().answer(c["text"], c["finish_reason"])
+                content, reason = answer.content, answer.finish_reason
+                calls = [ToolCallOut(**t) for t in answer.tool_calls] or None
+            choices.append(
+                ChatChoice(
+                    index=c["index"],
+                    message=ChatMessageOut(content=content, tool_calls=calls),
+                    finish_reason=reason,
+                    logprobs=_chat_logprobs(c.get("logprobs")),
+                )
+            )
+        response = ChatCompletionResponse(
+            model=_answered_by(result, model), choices=choices, usage=_usage(result)
+        )
+        return _with_decision(
+            _without_null_tool_calls(response.model_dump()), result.get("carpool")
+        )
+
+    def _chat_chunks(
+        self,
+        model: str,
+        n: int,
+        include_usage: bool,
+        tools: Callable[[], ToolParser] | None = None,
+    ) -> Callable[[dict[str, Any]], list[dict[str, Any]]]:
+        chunk_id, created = new_id("chatcmpl"), now()
+        parsers: dict[int, ToolParser] = {}
+
+        def chunk(choices: list[ChatChunkChoice], usage: UsageInfo | None = None) -> dict:
+            return _without_null_tool_calls(
+                ChatCompletionChunk(
+                    id=chunk_id, created=created, model=model, choices=choices, usage=usage
+                ).model_dump(exclude_none=False)
+            )
+
+        def tool_delta(event: dict[str, Any]) -> list[dict[str, Any]]:
+            # Content streams as it comes (auto mode), held back where it may open a tool
+            # call; the calls go out whole, one delta each, with the finishing chunk.
+            i = event["index"]
+            parser = parsers.setdefault(i, tools())  # type: ignore[misc]
+            text = parser.feed(event["text"])
+            logprobs = _chat_logprobs(event.get("logprobs"))
+            if event["finish_reason"] is None:
+                if not text and logprobs is None:
+                    return []
+                delta = ChatDelta(content=text) if text else ChatDelta()
+                return [chunk([ChatChunkChoice(index=i, delta=delta, logprobs=logprobs)])]
+            answer = parser.finish(event["finish_reason"])
+            out = []
+            tail = (text or "") + (answer.content or "") if not answer.tool_calls else text
+            if tail or logprobs is not None:
+                delta = ChatDelta(content=tail) if tail else ChatDelta()
+                out.append(chunk([ChatChunkChoice(index=i, delta=delta, logprobs=logprobs)]))
+            calls = [{"index": k, **call} for k, call in enumerate(answer.tool_calls)]
+            out.append(
+                chunk(
+                    [
+                        ChatChunkChoice(
+                            index=i,
+                            delta=ChatDelta(tool_calls=calls or None),
+                            finish_reason=answer.finish_reason,
+                        )
+                    ]
+                )
+            )
+            return out
+
+        def fmt(event: dict[str, Any]) -> list[dict[str, Any]]:
+            if event["type"] == "start":  # OpenAI opens each choice with the role
+                return [
+                    chunk([ChatChunkChoice(index=i, delta=ChatDelta(role="assistant", content=""))])
+                    for i in range(n)
+                ]
+            if event["type"] == "delta" and tools is not None:
+                return tool_delta(event)
+            if event["type"] == "delta":
+                delta = ChatDelta(content=event["text"]) if event["text"] else ChatDelta()
+                return [
+                    chunk(
+                        [
+                            ChatChunkChoice(
+                                index=event["index"],
+                                delta=delta,
+                                finish_reason=event["finish_reason"],
+                                logprobs=_chat_logprobs(event.get("logprobs")),
+                            )
+                        ]
+                    )
+                ]
+            if event["type"] == "end" and include_usage:
+                return [chunk([], _usage(event))]
+            return []
+
+        return fmt
+
+    # --- streaming ------------------------------------------------------------------------
+
+    async def _stream(
+        self,
+        tier: str,
+        handle: DeploymentHandle,
+        call: dict[str, Any],
+        requested: str,
+        formatter: Callable[[str], Callable[[dict[str, Any]], list[dict[str, Any]]]],
+    ) -> ClosingStreamingResponse:
+        # The first event comes after the replica validated and queued the request, so bad
+        # input still gets a plain 4xx response rather than an error inside a 200 stream, and
+        # a replica's overload refusal is tried on another replica before any token exists.
+        events, first = await call_idempotent(tier, lambda: open_stream(handle, call))
+        headers = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
+        headers.update(decision_headers(first.get("carpool")))
+        # 'auto': the router chose before generating and its start event says which model;
+        # every chunk names that one, as a whole answer's `model` does.
+        fmt = formatter(_answered_by(first, requested))
+        return ClosingStreamingResponse(
+            self._sse(tier, first, events, fmt), media_type="text/event-stream", headers=headers
+        )
+
+    async def _sse(
+        self,
+        tier: str,
+        first: dict[str, Any],
+        events: Any,
+        fmt: Callable[[dict[str, Any]], list[dict[str, Any]]],
+    ) -> AsyncIterator[str]:
+        finished = False
+        try:
+            for payload in fmt(first):
+                yield sse(payload)
+            async for event in events:
+                for payload in fmt(event):
+                    yield sse(payload)
+            finished = True
+            yield "data: [DONE]\n\n"
+        except Exception as exc:
+            found = find_request_error(exc)
+            if found is None:
+                logger.exception("%s stream failed", tier)
+                found = RequestError(
+                    503,
+                    f"the {tier} stage failed mid-stream ({type(exc).__name__}); retry",
+                    code="backend_unavailable",
+                )
+            body = json.loads(
+                error_response(found.status_code, found.message, found.param, found.code).body
+            )
+            yield sse(body)
+        finally:
+            if not finished:
+                # The client left (or the stream broke): stop the replica's generation so
+                # its slot is freed at the next engine step.
+                events.cancel()
+
+    async def model_cards(self) -> list[ModelCard]:
+        """One card per tier (small, large, auto), with the model behind it."""
+        cards = []
+        for tier, handle in self.handles.items():
+            if tier not in self._described:
+                self._described[tier] = await call_backend(tier, handle.describe.remote())
+            info = self._described[tier]
+            cards.append(
+                ModelCard(
+                    id=tier,
+                    created=self.created,
+                    root=info["model"],
+                    max_model_len=info["max_seq_len"],
+                )
+            )
+        return cards
