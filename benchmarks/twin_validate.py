@@ -63,6 +63,9 @@ GEN_CONFIGS: dict[str, tuple[dict[str, Any], tuple[int, ...]]] = {
 # Slots sized to the workloads (prompts of at most a few hundred tokens plus 256 generated):
 # 64 x 641 x 46,080 bytes/token (SmolLM2) = 1.9 GB, under the default 2048 MB KV ceiling.
 GEN_MAX_SEQ_LEN = 640
+# Requests per generation closed loop: a p99 of 64 lies between the two slowest (run 2 and
+# before: 16 at 4 clients and 32 at 16, where the p99 was the slowest of the first wave).
+GEN_REQUESTS = 64
 GEN_CALIB_REQUESTS = 4  # 1 client x 32 tokens each: the serving cost per engine step
 TRACE = "/work/shared/traces/AzureLLMInferenceTrace_conv.csv"
 MAX_LENGTH = 256  # all-MiniLM-L6-v2's max_seq_length: longer texts are truncated to it
@@ -162,7 +165,10 @@ def _cpu_snapshot() -> dict[str, Any]:
         fields = [int(x) for x in f.readline().split()[1:]]
     idle = fields[3] + fields[4]  # idle + iowait
     busy = (sum(fields[:8]) - idle) / os.sysconf("SC_CLK_TCK")
-    return {"procs": procs, "machine_busy_s": busy, "t": time.perf_counter()}
+    # Steal: time the hypervisor gave this VM's cores to others (a slower machine that no
+    # process here shows).
+    steal = fields[7] / os.sysconf("SC_CLK_TCK") if len(fields) > 7 else 0.0
+    return {"procs": procs, "machine_busy_s": busy, "steal_s": steal, "t": time.perf_counter()}
 
 
 def _cpu_used(before: dict[str, Any], after: dict[str, Any]) -> dict[str, Any]:
@@ -175,6 +181,7 @@ def _cpu_used(before: dict[str, Any], after: dict[str, Any]) -> dict[str, Any]:
         "wall_s": round(after["t"] - before["t"], 3),
         "ours_s": round(sum(by.values()), 3),
         "machine_s": round(after["machine_busy_s"] - before["machine_busy_s"], 3),
+        "steal_s": round(after.get("steal_s", 0.0) - before.get("steal_s", 0.0), 3),
         "by_process": {k: round(v, 3) for k, v in sorted(by.items(), key=lambda kv: -kv[1])},
     }
 
@@ -407,11 +414,15 @@ def measure_generation(args: Any) -> dict[str, Any]:
             for clients in clients_list:
                 if clients not in args.gen_clients:
                     continue
-                n = min(64, max(16, 2 * clients))  # two waves where it fits in a minute
+                # Enough requests that a p99 is not just the slowest of a few (16 at 4
+                # clients until run 2: the p99 was the first wave's burst): at least
+                # ``gen_requests``, and two waves of the clients.
+                n = max(args.gen_requests, 2 * clients)
                 print(f"generation {name}: {clients} clients, {n} requests", file=sys.stderr,
                       flush=True)  # fmt: skip
+                before = _cpu_snapshot()
                 r = asyncio.run(_gen_calls(server, workload(n, 8, 256, SEED), clients))
-                res[str(clients)] = {"requests": n, **r}
+                res[str(clients)] = {"requests": n, **r, "cpu": _cpu_used(before, _cpu_snapshot())}
             if name == "default" and args.trace_requests > 0:
                 times, calls, prompts = trace_calls(tokenizer, args)
                 print(f"generation: trace, {len(calls)} requests", file=sys.stderr, flush=True)
@@ -798,6 +809,8 @@ def main(argv: list[str] | None = None) -> int:
                    default=list(GEN_CLIENTS))  # fmt: skip
     m.add_argument("--gen-configs", type=lambda s: [x for x in s.split(",") if x],
                    default=list(GEN_CONFIGS), help=f"generation configs: {list(GEN_CONFIGS)}")  # fmt: skip
+    m.add_argument("--gen-requests", type=int, default=GEN_REQUESTS,
+                   help="requests per closed loop (at least two waves of its clients)")  # fmt: skip
     m.add_argument("--gen-model", default="packaged:SmolLM2-135M-Instruct")
     m.add_argument("--trace", default=TRACE, help="an Azure-format CSV (conversation trace)")
     m.add_argument("--trace-requests", type=int, default=48, help="requests of it (0: none)")

@@ -33,7 +33,7 @@ PREFILL_TOKENS = (16, 32, 64, 128, 256, 512, 1024, 2048, 4096)
 # clients prefills dozens of short prompts at once (64 arrivals of ~10 tokens: 39 rows in a
 # 512-token step); a fit from 1 and 4 rows only extrapolated that far and priced it low.
 PREFILL_ROWS = (4, 16, 64)
-DECODE_BATCHES = (1, 2, 4, 8, 16, 32, 64, 128, 256)
+DECODE_BATCHES = (1, 2, 3, 4, 5, 6, 8, 12, 16, 24, 32, 48, 64, 128, 256)
 DECODE_CONTEXTS = (128, 512, 2048)
 # Serving defaults when the serve config names none (carpool.config / deployments/generator).
 DEFAULT_MAX_BATCH_TOKENS = 8192

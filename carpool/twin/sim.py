@@ -310,6 +310,17 @@ class Twin:
         if refusal is not None:
             ticket.reply(refusal.status_code)
             return
+        if isinstance(replica, GeneratorReplica) and replica.collect_s > 0:
+            # @serve.batch: the first arrival opens a window; its arrivals reach the engine
+            # together when it closes, whether or not a step is running.
+            if not replica.collecting:
+                replica.collecting = True
+                self.at(self.now + replica.collect_s, lambda: self._collected(replica))
+            return
+        self._kick(replica)
+
+    def _collected(self, replica: GeneratorReplica) -> None:
+        replica.collect()
         self._kick(replica)
 
     def _kick(self, replica: Replica, collected: bool = False) -> None:

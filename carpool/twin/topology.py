@@ -52,6 +52,9 @@ class TwinSpec:
     overheads: Overheads = field(default_factory=Overheads)
     scale: float = 1.0  # every pass's profile cost times this (contention, another device)
     profile_name: str = ""
+    # How generator decode steps are priced: "points" (the profile's measured points,
+    # ``carpool.twin.replicas.DecodeCurve``) or "fit" (the section's fitted plane).
+    decode_curve: str = "points"
 
     def build(self, seed: int = 0) -> Twin:
         pools: dict[str, Pool] = {}
@@ -72,7 +75,13 @@ class TwinSpec:
                 else:
                     replicas.append(
                         GeneratorReplica(
-                            name, p.knobs, p.entry, self.scale, p.max_kv_tokens, p.step_ms
+                            name,
+                            p.knobs,
+                            p.entry,
+                            self.scale,
+                            p.max_kv_tokens,
+                            p.step_ms,
+                            curve=self.decode_curve,
                         )
                     )
             pools[role] = Pool(role, replicas, p.max_ongoing_requests, p.max_queued_requests)

@@ -46,6 +46,8 @@ def encoder_twin(replicas: int, const_ms: float, **knobs: object) -> Twin:
 
 
 ONE = SimRequest("embed", lengths=(16,))
+# A generator whose arrivals reach the engine at once (no @serve.batch window): step costs only.
+NO_COLLECT = {"max_num_seqs": 8, "batch_wait_timeout_s": 0}
 
 
 def test_closed_loop_one_server_follows_littles_law() -> None:
@@ -135,7 +137,7 @@ def test_serve_queue_bound_refuses_when_replicas_are_full() -> None:
 def test_generator_ttft_and_tpot_follow_step_costs() -> None:
     # Prefill step 30 ms, decode step 10 ms: the first token at 30 ms, then 10 ms a token.
     entry = generator_entry(30.0, 10.0)
-    pool = Pool("small", [GeneratorReplica("g", {"max_num_seqs": 8}, entry)])
+    pool = Pool("small", [GeneratorReplica("g", NO_COLLECT, entry)])
     req = SimRequest("generate", prompt_tokens=20, max_tokens=11, model="small")
     result = Twin({"small": pool}).run(
         clients=1, requests=[req], duration_s=20, warmup_s=2, drain=False
@@ -253,7 +255,7 @@ def test_overlay_changes_replicas_and_knobs() -> None:
 def test_generator_step_overhead_adds_to_every_step() -> None:
     # 30 ms prefill + 5 ms, then 10 ms decodes + 5 ms each: first token at 35 ms, 15 ms after.
     entry = generator_entry(30.0, 10.0)
-    replica = GeneratorReplica("g", {"max_num_seqs": 8}, entry, step_overhead_ms=5.0)
+    replica = GeneratorReplica("g", NO_COLLECT, entry, step_overhead_ms=5.0)
     req = SimRequest("generate", prompt_tokens=20, max_tokens=11, model="small")
     result = Twin({"small": Pool("small", [replica])}).run(
         clients=1, requests=[req], duration_s=20, warmup_s=2, drain=False
@@ -299,7 +301,7 @@ def test_a_step_is_priced_padded_as_the_slot_runner_computes_it() -> None:
         },
         "kv_bytes_per_token": 1024,
     }
-    replica = GeneratorReplica("g", {"max_num_seqs": 8}, entry)
+    replica = GeneratorReplica("g", NO_COLLECT, entry)
     short = SimRequest("generate", prompt_tokens=4, max_tokens=4, model="small")
     long = SimRequest("generate", prompt_tokens=16, max_tokens=4, model="small")
     replica.offer(0.0, short, "a")
@@ -315,9 +317,92 @@ def test_a_step_is_priced_padded_as_the_slot_runner_computes_it() -> None:
 def test_first_text_can_wait_for_the_second_token() -> None:
     # Prefill 30 ms, decode 10 ms: a first token whose text is held shows at 40 ms.
     entry = generator_entry(30.0, 10.0)
-    pool = Pool("small", [GeneratorReplica("g", {"max_num_seqs": 8}, entry)])
+    pool = Pool("small", [GeneratorReplica("g", NO_COLLECT, entry)])
     req = SimRequest("generate", prompt_tokens=20, max_tokens=11, model="small", first_visible=2)
     result = Twin({"small": pool}).run(
         clients=1, requests=[req], duration_s=20, warmup_s=2, drain=False
     )
     assert result.ttft_p50_ms == pytest.approx(40.0, rel=0.01)
+
+
+def decode_points_entry() -> dict:
+    """Decode measured at batches 1, 4 and 16 (context 128) and batch 1 at 512; a fitted
+    plane that misses the small batches, as least squares over big ones does."""
+    points = [
+        {"batch": 1, "context": 128, "kv_tokens": 129, "ms": 50.0},
+        {"batch": 4, "context": 128, "kv_tokens": 516, "ms": 40.0},
+        {"batch": 16, "context": 128, "kv_tokens": 2064, "ms": 100.0},
+        {"batch": 1, "context": 512, "kv_tokens": 513, "ms": 51.0},
+    ]
+    fit = {"const": 30.0, "batch": 4.0, "kv_tokens": 0.0}
+    return {
+        "kind": "generator",
+        "prefill": {"fits": {"line": {"coef": {"const": 10.0, "tokens": 0}}}, "use": "line"},
+        "decode": {"points": points, "fits": {"context": {"coef": fit}}, "use": "context"},
+        "kv_bytes_per_token": 1024,
+    }
+
+
+def test_decode_steps_are_priced_through_the_measured_points() -> None:
+    replica = GeneratorReplica("g", NO_COLLECT, decode_points_entry())
+    kv = (51.0 - 50.0) / (513 - 129)  # the points' own KV slope (batch 1 at two contexts)
+    assert replica.decode.kv_ms == pytest.approx(kv)
+
+    def step(batch: int, context: int) -> float:
+        return replica.decode({"batch": batch, "kv_tokens": batch * (context + 1)})
+
+    # On a measured point: its cost, not the fit's (30 + 4 x 4 = 46 at batch 4).
+    assert step(4, 128) == pytest.approx(40.0)
+    assert step(1, 128) == pytest.approx(50.0)
+    # Between points: linear in batch (each point less its KV term), plus the KV term.
+    between = ((40.0 - kv * 516) + (100.0 - kv * 2064)) / 2 + kv * 10 * 129
+    assert step(10, 128) == pytest.approx(between)
+    # The fit, when asked for (the twin's pricing before the points).
+    fitted = GeneratorReplica("g", NO_COLLECT, decode_points_entry(), curve="fit")
+    assert fitted.decode({"batch": 4, "kv_tokens": 516}) == pytest.approx(46.0)
+
+
+def test_a_decode_section_without_points_uses_its_fit() -> None:
+    replica = GeneratorReplica("g", NO_COLLECT, generator_entry(30.0, 10.0))
+    assert replica.decode({"batch": 3, "kv_tokens": 300}) == pytest.approx(10.0)
+
+
+def test_arrivals_together_reach_the_engine_in_one_batch() -> None:
+    # Prefill 30 ms a step whatever its rows, decode 10 ms. Four clients start together:
+    # with @serve.batch's 5 ms window all four prompts are one prefill step (first tokens
+    # at 35 ms); without it the first arrival starts a step alone and the other three wait
+    # for it (30 ms, then 30 + 10 ... their prefill rides the next step: 60 ms).
+    reqs = [SimRequest("generate", prompt_tokens=20, max_tokens=3, model="small")]
+
+    def ttfts(knobs: dict) -> list[float]:
+        twin = Twin(
+            {"small": Pool("small", [GeneratorReplica("g", knobs, generator_entry(30.0, 10.0))])}
+        )
+        twin.run(clients=4, requests=reqs, max_requests=4, duration_s=100, warmup_s=0)
+        return sorted(round((r.first_token - r.sent) * 1000, 3) for r in twin.records)
+
+    assert ttfts({"max_num_seqs": 8, "batch_wait_timeout_s": 0.005}) == pytest.approx(
+        [35.0] * 4, abs=0.1
+    )
+    alone = ttfts(NO_COLLECT)
+    assert alone[0] == pytest.approx(30.0) and alone[-1] > 50.0
+
+
+def test_an_arrival_during_a_step_waits_for_its_window_to_close() -> None:
+    # "a" arrives at 0 and reaches the engine when its window closes (5 ms), prefilled by
+    # 35 ms. "b" arrives mid-step at 10 ms: the step after "a"'s prefill cannot take it
+    # while its window is open (the engine has not been handed it), so it decodes "a" alone.
+    replica = GeneratorReplica("g", {"max_num_seqs": 8, "batch_wait_timeout_s": 0.005},
+                               generator_entry(30.0, 10.0))  # fmt: skip
+    req = SimRequest("generate", prompt_tokens=20, max_tokens=3, model="small")
+    assert replica.offer(0.0, req, "a") is None
+    assert replica.start(0.0) is None  # not collected yet: the engine sees nothing
+    replica.collect()
+    work = replica.start(0.005)
+    assert work is not None and work.ends == pytest.approx(0.035)
+    assert replica.offer(0.01, req, "b") is None
+    events = replica.finish(work.ends, work)
+    assert events.first == ["a"]
+    nxt = replica.start(work.ends)  # "b" is still in its window: a decode step of "a" only
+    assert nxt is not None and [s.tag for s in nxt.payload.decode] == ["a"]
+    assert not nxt.payload.prefill
