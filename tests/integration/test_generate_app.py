@@ -339,3 +339,23 @@ def test_a_client_leaving_a_routed_request_frees_the_generator_slot(app: str) ->
     assert after["tokens_generated"] - before["tokens_generated"] < LONG
     r = httpx.post(f"{app}/v1/completions", json={"prompt": "a", "max_tokens": 2}, timeout=60)
     assert r.status_code == 200
+
+
+def test_the_openai_url_reaches_either_shape(app: str, serve_http: str) -> None:
+    """The OpenAI app finds the generate app's ingress whichever deployment it is."""
+    from pipelines.openai_api import build_openai_app
+
+    args = {"embed_app": None, "rank_app": None, "rag_app": None, "generate_app": "it-generate"}
+    serve.run(build_openai_app(args), name="it-generate-openai", route_prefix="/it-generate-v1")
+    try:
+        body = {
+            "model": "small",
+            "messages": [{"role": "user", "content": "hi"}],
+            "max_tokens": 4,
+            "ignore_eos": True,
+        }
+        r = httpx.post(f"{serve_http}/it-generate-v1/v1/chat/completions", json=body, timeout=60)
+        assert r.status_code == 200, r.text
+        assert r.json()["usage"]["completion_tokens"] == 4
+    finally:
+        serve.delete("it-generate-openai")
