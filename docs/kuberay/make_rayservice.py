@@ -228,9 +228,27 @@ SHARED_NODE_THREADS = (
 )
 
 
+# serve.yaml's direct streaming (the small generator serving /generate's HTTP) suits one box;
+# on a cluster a separate ingress, two replicas, keeps HTTP off the generator replicas.
+CLUSTER_INGRESS = "direct_streaming: false   # a cluster: a separate ingress (docs/generation.md)"
+CLUSTER_INGRESS_REPLICAS = "      - name: generate_ingress\n        num_replicas: 2\n"
+
+
+def cluster_ingress(applications: str) -> str:
+    """The generate app with its separate ingress (two replicas) where serve.yaml streams
+    directly from the generator."""
+    if not re.search(r"direct_streaming: true", applications):
+        return applications
+    applications = re.sub(r"direct_streaming: true[^\n]*", CLUSTER_INGRESS, applications)
+    start = applications.index(CLUSTER_INGRESS)
+    small = applications.index("      - name: small\n", start)
+    return applications[:small] + CLUSTER_INGRESS_REPLICAS + applications[small:]
+
+
 def render(serve_yaml: str, manifest: Manifest = MANIFESTS[0]) -> str:
     applications = applications_block(serve_yaml, manifest.serve_config)
     applications = re.sub(r"thread_policy: idle_cores[^\n]*", SHARED_NODE_THREADS, applications)
+    applications = cluster_ingress(applications)
     serve_config = SERVE_HEADER + "\n" + applications
     cluster = manifest.cluster.format(
         image=manifest.image,

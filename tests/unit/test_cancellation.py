@@ -99,8 +99,8 @@ def server():
     server.close()
 
 
-def test_a_cancelled_stream_always_aborts_its_sequence(server) -> None:
-    engine: TickingEngine = server.engine
+def _record_submissions(engine: TickingEngine) -> list[GenSequence]:
+    """Every sequence the engine is handed, in order."""
     submitted: list[GenSequence] = []
     real_enqueue = engine._enqueue
 
@@ -109,6 +109,12 @@ def test_a_cancelled_stream_always_aborts_its_sequence(server) -> None:
         real_enqueue(seqs)
 
     engine._enqueue = spy  # type: ignore[method-assign]
+    return submitted
+
+
+def test_a_cancelled_stream_always_aborts_its_sequence(server) -> None:
+    engine: TickingEngine = server.engine
+    submitted = _record_submissions(engine)
     rng = random.Random(0)
 
     async def consume() -> None:
@@ -144,14 +150,7 @@ def test_a_local_stream_closed_between_events_aborts_its_sequence(server) -> Non
     from carpool.local_handle import LocalHandle
 
     engine: TickingEngine = server.engine
-    submitted: list[GenSequence] = []
-    real_enqueue = engine._enqueue
-
-    def spy(seqs: list[GenSequence]) -> None:
-        submitted.extend(seqs)
-        real_enqueue(seqs)
-
-    engine._enqueue = spy  # type: ignore[method-assign]
+    submitted = _record_submissions(engine)
     rng = random.Random(1)
     call = {"prompts": ["hello"], "max_tokens": 50_000}
 

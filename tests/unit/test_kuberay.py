@@ -78,14 +78,29 @@ def test_the_manifest_serves_exactly_its_serve_configs_applications(
 ) -> None:
     path, manifest = each_manifest
     served = yaml.safe_load(manifest["spec"]["serveConfigV2"])
-    # The one intended difference: a pod shares its node, so idle_cores becomes reserved.
+    # The intended differences: a pod shares its node, so idle_cores becomes reserved, and a
+    # cluster answers /generate through a separate ingress (two replicas), not the generator.
     local = yaml.safe_load(
         SOURCES[path].read_text().replace("thread_policy: idle_cores", "thread_policy: reserved")
     )
+    for app in local["applications"]:
+        if app.get("args", {}).get("direct_streaming"):
+            app["args"]["direct_streaming"] = False
+            app["deployments"].insert(0, {"name": "generate_ingress", "num_replicas": 2})
     assert served["applications"] == local["applications"], (
         f"{SOURCES[path].name} and docs/kuberay/{path.name} drifted apart; run "
         ".venv/bin/python docs/kuberay/make_rayservice.py"
     )
+
+
+def test_no_cluster_config_streams_from_the_generator_replicas() -> None:
+    """direct_streaming puts /generate's HTTP on the generator replicas: serve.yaml's one box
+    only, never a shipped cluster config (the manifests and serve-gpu.yaml)."""
+    configs = {p.name: yaml.safe_load(_load(p)["spec"]["serveConfigV2"]) for p in SOURCES}
+    configs["serve-gpu.yaml"] = _load(ROOT / "serve-gpu.yaml")
+    for name, config in configs.items():
+        for app in config["applications"]:
+            assert not app.get("args", {}).get("direct_streaming"), (name, app["name"])
 
 
 def test_the_manifests_are_what_the_generator_writes() -> None:
