@@ -91,6 +91,10 @@ class GenerateArgs(StrictModel):
     ingress: IngressConfig = Field(default_factory=IngressConfig)
 
 
+# A stream's formatter: given the model that answers, event -> the chunks it becomes.
+Formatter = Callable[[str], Callable[[dict[str, Any]], list[dict[str, Any]]]]
+
+
 def sse(payload: Any) -> str:
     return f"data: {json.dumps(payload, separators=(',', ':'))}\n\n"
 
@@ -220,18 +224,25 @@ class GenerateHandler(PipelineHandler):
 
     # --- completions ----------------------------------------------------------------------
 
+    async def _generate(
+        self, requested: str | None, call: GenerationCall, formatter: Formatter | None
+    ) -> tuple[Any, str]:
+        """The SSE response when ``formatter`` is given, else the whole result; and the name
+        the client asked for."""
+        tier, handle, model = self._route(requested)
+        payload = with_controls(call)
+        if formatter is not None:
+            return await self._stream(tier, handle, payload, model, formatter), model
+        return await call_idempotent(tier, lambda: handle.generate.remote(payload)), model
+
     async def completion_response(self, body: CompletionRequest) -> Any:
-        tier, handle, model = self._route(body.model)
-        call = with_controls(GenerationCall.from_completion(body))
+        def formatter(answered: str) -> Callable[[dict[str, Any]], list[dict[str, Any]]]:
+            return self._completion_chunks(answered, body.include_usage())
+
+        call = GenerationCall.from_completion(body)
+        result, model = await self._generate(body.model, call, formatter if body.stream else None)
         if body.stream:
-            return await self._stream(
-                tier,
-                handle,
-                call,
-                model,
-                lambda answered: self._completion_chunks(answered, body.include_usage()),
-            )
-        result = await call_idempotent(tier, lambda: handle.generate.remote(call))
+            return result
         response = CompletionResponse(
             model=_answered_by(result, model),
             choices=[
@@ -293,19 +304,14 @@ class GenerateHandler(PipelineHandler):
     # --- chat -----------------------------------------------------------------------------
 
     async def chat_response(self, body: ChatCompletionRequest) -> Any:
-        tier, handle, model = self._route(body.model)
-        call = with_controls(GenerationCall.from_chat(body))
+        def formatter(answered: str) -> Callable[[dict[str, Any]], list[dict[str, Any]]]:
+            n, usage = body.choices_per_prompt(), body.include_usage()
+            return self._chat_chunks(answered, n, usage, tool_parser(body))
+
+        call = GenerationCall.from_chat(body)
+        result, model = await self._generate(body.model, call, formatter if body.stream else None)
         if body.stream:
-            return await self._stream(
-                tier,
-                handle,
-                call,
-                model,
-                lambda answered: self._chat_chunks(
-                    answered, body.choices_per_prompt(), body.include_usage(), tool_parser(body)
-                ),
-            )
-        result = await call_idempotent(tier, lambda: handle.generate.remote(call))
+            return result
         parser = tool_parser(body)
         choices = []
         for c in result["choices"]:
@@ -414,7 +420,7 @@ class GenerateHandler(PipelineHandler):
         handle: DeploymentHandle,
         call: dict[str, Any],
         requested: str,
-        formatter: Callable[[str], Callable[[dict[str, Any]], list[dict[str, Any]]]],
+        formatter: Formatter,
     ) -> ClosingStreamingResponse:
         # The first event comes after the replica validated and queued the request, so bad
         # input still gets a plain 4xx response rather than an error inside a 200 stream, and
