@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import random
 from pathlib import Path
+from typing import Any
 
 from carpool.models import resolve_model_source
 
@@ -136,3 +137,14 @@ def build_tiny_models(root: Path, seed: int = 0) -> dict[str, str]:
     llama_tok.save_pretrained(path)
     out["causal_lm"] = str(path)
     return out
+
+
+def pipeline_api(name: str) -> Any:
+    """A pipeline's FastAPI app: the module's own, or, where the routes are built per replica
+    over a handler (generate), built over none (its routes and middleware only)."""
+    import importlib
+
+    module = importlib.import_module(f"pipelines.{name}")
+    if hasattr(module, "api"):
+        return module.api
+    return getattr(module, f"{name}_api")(None)

@@ -18,7 +18,6 @@ at the end all of those must have succeeded, and no replica may have been restar
 
 from __future__ import annotations
 
-import importlib
 import json
 import os
 import threading
@@ -47,6 +46,7 @@ from tests.all_apps import (
     deploy_all_apps,
     replica_actors,
 )
+from tests.factories import pipeline_api
 
 EXAMPLES = int(os.environ.get("CARPOOL_FUZZ_EXAMPLES", "40"))
 SEED = os.environ.get("CARPOOL_FUZZ_SEED")  # unset: derandomized, the same cases every run
@@ -66,7 +66,7 @@ def _operations() -> list[tuple[str, str, str]]:
     """
     found = []
     for app in APPS:
-        spec = importlib.import_module(f"pipelines.{app}").api.openapi()
+        spec = pipeline_api(app).openapi()
         for path, methods in spec["paths"].items():
             found += [(app, method.upper(), path) for method in methods]
     return found

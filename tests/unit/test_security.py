@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import importlib
 import re
 import subprocess
 from pathlib import Path
@@ -64,7 +63,9 @@ def test_prometheus_from_make_monitor_listens_on_loopback_only() -> None:
 
 @pytest.mark.parametrize("name", PIPELINES)
 def test_no_pipeline_enables_cors(name: str) -> None:
-    api = importlib.import_module(f"pipelines.{name}").api
+    from tests.factories import pipeline_api
+
+    api = pipeline_api(name)
     middleware = [m.cls.__name__ for m in api.user_middleware]
     assert "CORSMiddleware" not in middleware
     # Auth runs first, so an unauthenticated body is never read.
