@@ -389,7 +389,34 @@ def test_carpool_layouts_change_only_their_thread_knobs() -> None:
     del knobs(allcores)[1]["cpu_reserved_cores"]
     assert allcores == shipped
 
-    assert set(peers.CARPOOL_LAYOUTS) == {"carpool", "carpool-reserved", "carpool-allcores"}
+    # The streaming variants change only how /generate's HTTP is served.
+    def streaming(config: dict) -> tuple[bool, set[str]]:
+        entry = peers.app_entry(config, "generate")
+        return entry["args"]["direct_streaming"], {d["name"] for d in entry["deployments"]}
+
+    assert streaming(shipped)[0] is True  # serve.yaml streams directly
+    for name, direct in (("carpool-direct", True), ("carpool-ingress", False)):
+        variant = copy.deepcopy(shipped)
+        layout = peers.CARPOOL_LAYOUTS[name]
+        assert layout is not None
+        layout(variant)
+        is_direct, deployments = streaming(variant)
+        assert is_direct is direct
+        assert ("generate_ingress" in deployments) is (not direct)
+        generate = peers.app_entry(variant, "generate")
+        generate["args"]["direct_streaming"] = True
+        generate["deployments"] = [
+            d for d in generate["deployments"] if d["name"] != "generate_ingress"
+        ]
+        assert variant == shipped
+
+    assert set(peers.CARPOOL_LAYOUTS) == {
+        "carpool",
+        "carpool-reserved",
+        "carpool-allcores",
+        "carpool-direct",
+        "carpool-ingress",
+    }
     with pytest.raises(KeyError, match="no application 'nope'"):
         peers.app_entry(shipped, "nope")
 
