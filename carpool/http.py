@@ -283,11 +283,13 @@ class RequestControlsMiddleware:
             _CONTROLS.reset(token)
 
 
-def apply_ingress_defaults(api: FastAPI, ingress: IngressConfig) -> None:
-    """Called by an ingress when it starts, with its IngressConfig."""
+def apply_ingress_defaults(api: FastAPI, ingress: IngressConfig, own_process: bool = True) -> None:
+    """Called by an ingress when it starts, with its IngressConfig. ``own_process=False``: the
+    HTTP is served by a model replica (direct streaming), whose priority is the model's."""
     api.state.controls.default_deadline_ms = ingress.default_deadline_ms
-    # Its own process's priority; Ray's proxy only where proxy_cpu_niceness opts in.
-    apply_ingress_priority(ingress.cpu_niceness, ingress.proxy_cpu_niceness)
+    if own_process:
+        # Its own process's priority; Ray's proxy only where proxy_cpu_niceness opts in.
+        apply_ingress_priority(ingress.cpu_niceness, ingress.proxy_cpu_niceness)
 
 
 def make_api(title: str, description: str, max_body_bytes: int) -> FastAPI:

@@ -128,7 +128,7 @@ class DirectGenerateIngress(GeneratorDeployment):
 
     def __serve_build_asgi_app__(self) -> FastAPI:
         api = generate_api(self.http)
-        api.state.controls.default_deadline_ms = self.http.args.ingress.default_deadline_ms
+        apply_ingress_defaults(api, self.http.args.ingress, own_process=False)
         return api
 
     def settings(self) -> dict[str, Any]:
