@@ -30,6 +30,7 @@ from carpool.local_handle import LocalHandle
 from carpool.schemas import ModelList
 from deployments.generator import GeneratorDeployment, build_generator_deployment
 from pipelines.generate_handler import (
+    DIRECT_INGRESS,
     GENERATE_INGRESS,
     ROUTER_DEPLOYMENT,
     TIERS,
@@ -39,6 +40,7 @@ from pipelines.generate_handler import (
 from router.deployment import build_router_deployment
 
 __all__ = [
+    "DIRECT_INGRESS",
     "GENERATE_INGRESS",
     "ROUTER_DEPLOYMENT",
     "TIERS",
@@ -151,7 +153,7 @@ def build_generate_app(args: dict[str, Any] | None = None) -> Application:
         router = build_router_deployment(parsed.router, None, large) if parsed.router else None
         return build_generator_deployment(
             parsed.small,
-            "small",
+            DIRECT_INGRESS,
             DirectGenerateIngress,
             (large, parsed.model_dump(), router),
         )

@@ -55,6 +55,8 @@ TIERS = ("small", "large")
 # Deployment names other apps find this pipeline's parts by (serve.get_deployment_handle); the
 # generators are named by their tier.
 GENERATE_INGRESS = "generate_ingress"
+# With direct_streaming the small generator is the app's ingress, under its tier's name.
+DIRECT_INGRESS = "small"
 ROUTER_DEPLOYMENT = "router"
 
 

@@ -82,8 +82,9 @@ class Pipeline:
 PIPELINES: dict[str, Pipeline] = {
     "embed": Pipeline((embed.EMBED_INGRESS,), embed.EmbedHandler),
     "rank": Pipeline((rank.RANK_INGRESS,), rank.RankHandler),
-    # With direct_streaming the small generator is the generate app's ingress.
-    "generate": Pipeline((generate.GENERATE_INGRESS, "small"), generate.GenerateHandler),
+    "generate": Pipeline(
+        (generate.GENERATE_INGRESS, generate.DIRECT_INGRESS), generate.GenerateHandler
+    ),
     "rag": Pipeline((rag.RAG_INGRESS,), rag.RagHandler),
 }
 
