@@ -40,6 +40,7 @@ os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
 
 from benchmarks.arrivals import ArrivalSpec
 from benchmarks.workloads import EmbedRequest, Workload, embed_workload
+from carpool.twin.calibrate import serving_pass_scale
 from carpool.twin.profile import load_profile
 from carpool.twin.replicas import SimRequest
 from carpool.twin.sim import Overheads, SimResult, percentile
@@ -186,11 +187,42 @@ def _cpu_used(before: dict[str, Any], after: dict[str, Any]) -> dict[str, Any]:
     }
 
 
+def replica_passes(before: dict[str, Any], after: dict[str, Any]) -> dict[str, float]:
+    """What the replica's passes did between two ``/v1/stats`` snapshots: passes, items,
+    padded tokens and the passes' wall time in all (the stats carry means; totals are the
+    mean times the count). Empty without both snapshots."""
+    keys = ("forward_passes", "items", "padded_tokens", "mean_forward_ms", "mean_queue_wait_ms")
+    if not all(k in before and k in after for k in keys):
+        return {}
+
+    def total(d: dict[str, Any], mean: str, count: str) -> float:
+        return float(d[mean]) * float(d[count])
+
+    return {
+        "passes": after["forward_passes"] - before["forward_passes"],
+        "items": after["items"] - before["items"],
+        "padded_tokens": after["padded_tokens"] - before["padded_tokens"],
+        "forward_ms": round(
+            total(after, "mean_forward_ms", "forward_passes")
+            - total(before, "mean_forward_ms", "forward_passes"),
+            2,
+        ),
+        "queue_wait_ms": round(
+            total(after, "mean_queue_wait_ms", "items")
+            - total(before, "mean_queue_wait_ms", "items"),
+            2,
+        ),
+    }
+
+
 async def _timed(bench: Any, system: Any, workload: Workload, spec: ArrivalSpec) -> dict:
-    """One phase's summary, with the CPU the cluster, the load generator and the machine used."""
+    """One phase's summary, with the CPU the cluster, the load generator and the machine used,
+    and what the replica's passes did (``replica``: their count and wall time, /v1/stats)."""
+    stats = await bench.replica_snapshot(system)
     before = _cpu_snapshot()
     out = _summary(await bench.run(system, workload, spec))
     out["cpu"] = _cpu_used(before, _cpu_snapshot())
+    out["replica"] = replica_passes(stats, await bench.replica_snapshot(system))
     return out
 
 
@@ -470,17 +502,34 @@ HOST_CORES = 2.0  # this machine: the replica, the serving path and the load gen
 
 
 def embed_spec(
-    profile: dict, knobs: dict[str, Any], overheads: Overheads | None = None
+    profile: dict,
+    knobs: dict[str, Any],
+    overheads: Overheads | None = None,
+    pass_scale: float = 1.0,
 ) -> TwinSpec:
     overlay = {"embedder": {"user_config": knobs}} if knobs else {}
     spec = TwinSpec.from_serve_config(
         ROOT / "serve.yaml", profile, overlay, threads=1, roles=("embedder",)
     )
     spec.overheads = copy.deepcopy(overheads) if overheads else Overheads()
+    spec.pools["embedder"].pass_scale = pass_scale
     return spec
 
 
-def host_cpu(profile: dict, base: dict, reqs: list[SimRequest]) -> dict[str, float]:
+def embed_pass_scale(profile: dict, base: dict, reqs: list[SimRequest]) -> float | None:
+    """What serving adds to each embedder pass, from the default's 1-client calibration run:
+    the replica's own total pass time there (/v1/stats) over the profile's price of the same
+    requests' passes (``carpool.twin.calibrate``). None for a measurement without it."""
+    cal = base["closed_1"]
+    forward_ms = (cal.get("replica") or {}).get("forward_ms")
+    if not forward_ms or cal["ok"] != cal["sent"]:
+        return None
+    return serving_pass_scale(embed_spec(profile, {}), "embedder", reqs, cal["ok"], forward_ms)
+
+
+def host_cpu(
+    profile: dict, base: dict, reqs: list[SimRequest], pass_scale: float = 1.0
+) -> dict[str, float]:
     """The serving path's host CPU, from the default's idle window and 1-client calibration run
     (CPU seconds of the load generator and every process of the cluster, read from /proc):
     what the cluster burns idle (cores), and what each request costs outside the model's
@@ -490,7 +539,7 @@ def host_cpu(profile: dict, base: dict, reqs: list[SimRequest]) -> dict[str, flo
     if "cpu" not in cal or not idle:
         return {}
     background = idle["ours_s"] / idle["wall_s"]
-    twin = embed_spec(profile, {}).build()
+    twin = embed_spec(profile, {}, pass_scale=pass_scale).build()
     r = twin.run(clients=1, requests=reqs, duration_s=cal["span_s"], warmup_s=0)
     pass_ms = 1000 * sum(twin.busy_s.values()) / max(r.answered, 1)
     serving_s = cal["cpu"]["ours_s"] - background * cal["cpu"]["wall_s"]
@@ -499,16 +548,22 @@ def host_cpu(profile: dict, base: dict, reqs: list[SimRequest]) -> dict[str, flo
             "pass_ms_per_request": round(pass_ms, 2)}  # fmt: skip
 
 
-def predict_embed(profile: dict, measured: dict, requests: int, host: bool = True) -> dict:
+def predict_embed(
+    profile: dict, measured: dict, requests: int, host: bool = True, scale_passes: bool = True
+) -> dict:
     """The twin on each configuration's requests and arrivals. Fitted on the default's
-    calibration runs only (none of them a validated figure): the serving path's host CPU
-    (``host_cpu``, with ``host``), then the latency outside the model (``fixed_ms``: the
-    1-client run's mean latency less the twin's, the host model included)."""
+    calibration runs only (none of them a validated figure): what serving adds to each pass
+    (``embed_pass_scale``, with ``scale_passes``), the serving path's host CPU (``host_cpu``,
+    with ``host``), then the latency outside the replica's passes (``fixed_ms``: the 1-client
+    run's mean latency less the twin's, both models included)."""
     reqs = embed_requests(embed_workload(requests, SEED))
     base = measured["default"]
     out: dict[str, Any] = {}
+    scale = (embed_pass_scale(profile, base, reqs) if scale_passes else None) or 1.0
+    if scale != 1.0:
+        out["pass_scale"] = round(scale, 4)
     overheads = Overheads()
-    if host and (cpu := host_cpu(profile, base, reqs)):
+    if host and (cpu := host_cpu(profile, base, reqs, scale)):
         out["host"] = {"cores": HOST_CORES, **cpu}
         overheads = Overheads(
             host_cores=HOST_CORES,
@@ -516,7 +571,7 @@ def predict_embed(profile: dict, measured: dict, requests: int, host: bool = Tru
             background_cores=cpu["background_cores"],
         )
     bare = (
-        embed_spec(profile, {}, overheads)
+        embed_spec(profile, {}, overheads, scale)
         .build()
         .run(clients=1, requests=reqs, duration_s=base["closed_1"]["span_s"], warmup_s=0)
     )
@@ -525,7 +580,7 @@ def predict_embed(profile: dict, measured: dict, requests: int, host: bool = Tru
     for name, m in measured.items():
         if not isinstance(m, dict) or "closed_32" not in m or "half" not in m:
             continue
-        spec = embed_spec(profile, m["knobs"], overheads)
+        spec = embed_spec(profile, m["knobs"], overheads, scale)
         twin: dict[str, SimResult] = {
             "closed_32": spec.build().run(
                 clients=32, requests=reqs, duration_s=m["closed_32"]["span_s"], warmup_s=0
@@ -657,7 +712,11 @@ def cmd_report(args: Any) -> int:
     predicted: dict[str, Any] = {}
     if measured.get("embed"):
         predicted["embed"] = predict_embed(
-            profile, measured["embed"], measured["requests"], host=not args.no_host
+            profile,
+            measured["embed"],
+            measured["requests"],
+            host=not args.no_host,
+            scale_passes=not args.no_pass_scale,
         )
     if measured.get("generation"):
         predicted["generation"] = predict_generation(profile, measured["generation"])
@@ -673,6 +732,7 @@ def cmd_report(args: Any) -> int:
         "report_command": " ".join([".venv/bin/python -m benchmarks.twin_validate", *sys.argv[1:]]),
         "fitted": {
             "embed_fixed_ms": predicted.get("embed", {}).get("fixed_ms"),
+            "embed_pass_scale": predicted.get("embed", {}).get("pass_scale"),
             "embed_host": predicted.get("embed", {}).get("host"),
             "generation_step_overhead_ms": {
                 k: v.get("step_overhead_ms") for k, v in (predicted.get("generation") or {}).items()
@@ -717,10 +777,19 @@ def markdown(doc: dict, measured: dict) -> str:
     lines += ["", "## What is fitted, and on what", ""]
     lines.append(
         "Nothing is fitted on a figure above. The passes cost what the profile measured (bare "
-        "forward passes, no serving). Fitted on calibration runs, none of them among the "
+        "forward passes, no serving), times what serving adds to a pass where that was "
+        "measured. Fitted on calibration runs, none of them among the "
         "figures (for embed, the **default** configuration's idle window of the deployed "
         "cluster and its 1-client closed loop):"
     )
+    if fitted.get("embed_pass_scale") is not None:
+        lines.append(
+            f"- what serving adds to each embedder pass: **{fitted['embed_pass_scale']:.3f}x** "
+            "the profile's price, the replica's own record of its passes' wall time in the "
+            "1-client run (`/v1/stats`) over the twin's price of the same requests' passes "
+            "(`carpool.twin.calibrate.serving_pass_scale`; `PoolSpec.pass_scale`). It is pass "
+            "time, so it holds the replica and queues under load."
+        )
     if host:
         lines.append(
             f"- the serving path's host CPU, read from /proc (CPU seconds of the load generator "
@@ -831,6 +900,8 @@ def main(argv: list[str] | None = None) -> int:
     r.add_argument("--json", default="benchmarks/twin.json")
     r.add_argument("--no-host", action="store_true",
                    help="leave the shared host CPU out of the twin (an ablation)")  # fmt: skip
+    r.add_argument("--no-pass-scale", action="store_true",
+                   help="price embedder passes at the profile's bare cost (an ablation)")  # fmt: skip
     args = p.parse_args(argv)
     return cmd_measure(args) if args.command == "measure" else cmd_report(args)
 

@@ -40,6 +40,9 @@ class PoolSpec:
     mode: str = "encoder"
     max_kv_tokens: int | None = None
     request_ms: float = 0.0  # replica-side serving work per request (tokenizing, answering)
+    # The pool's passes under serving cost this many times the profile's bare pass (the
+    # replica's own pass timings in a calibration run: ``carpool.twin.calibrate``).
+    pass_scale: float = 1.0
     step_ms: float = 0.0  # a generator's engine work per step outside its forward passes
 
 
@@ -68,7 +71,7 @@ class TwinSpec:
                             name,
                             BatchingConfig.model_validate(p.knobs),
                             p.entry,
-                            self.scale,
+                            self.scale * p.pass_scale,
                             p.request_ms,
                         )
                     )
@@ -78,7 +81,7 @@ class TwinSpec:
                             name,
                             p.knobs,
                             p.entry,
-                            self.scale,
+                            self.scale * p.pass_scale,
                             p.max_kv_tokens,
                             p.step_ms,
                             curve=self.decode_curve,
