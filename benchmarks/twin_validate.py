@@ -516,15 +516,19 @@ def embed_spec(
     return spec
 
 
-def embed_pass_scale(profile: dict, base: dict, reqs: list[SimRequest]) -> float | None:
-    """What serving adds to each embedder pass, from the default's 1-client calibration run:
-    the replica's own total pass time there (/v1/stats) over the profile's price of the same
-    requests' passes (``carpool.twin.calibrate``). None for a measurement without it."""
+def embed_pass_scale(
+    profile: dict, base: dict, reqs: list[SimRequest], knobs: dict[str, Any] | None = None
+) -> float | None:
+    """What serving adds to each embedder pass, from a configuration's 1-client calibration
+    run (``base``, with its ``knobs``; the default's unless told): the replica's own total
+    pass time there (/v1/stats) over the profile's price of the same requests' passes
+    (``carpool.twin.calibrate``). None for a measurement without it."""
     cal = base["closed_1"]
     forward_ms = (cal.get("replica") or {}).get("forward_ms")
     if not forward_ms or cal["ok"] != cal["sent"]:
         return None
-    return serving_pass_scale(embed_spec(profile, {}), "embedder", reqs, cal["ok"], forward_ms)
+    spec = embed_spec(profile, knobs or {})
+    return serving_pass_scale(spec, "embedder", reqs, cal["ok"], forward_ms)
 
 
 def host_cpu(
@@ -549,12 +553,18 @@ def host_cpu(
 
 
 def predict_embed(
-    profile: dict, measured: dict, requests: int, host: bool = True, scale_passes: bool = True
+    profile: dict,
+    measured: dict,
+    requests: int,
+    host: bool = True,
+    scale_passes: bool = True,
+    scale_each: bool = False,
 ) -> dict:
     """The twin on each configuration's requests and arrivals. Fitted on the default's
     calibration runs only (none of them a validated figure): what serving adds to each pass
-    (``embed_pass_scale``, with ``scale_passes``), the serving path's host CPU (``host_cpu``,
-    with ``host``), then the latency outside the replica's passes (``fixed_ms``: the 1-client
+    (``embed_pass_scale``, with ``scale_passes``; with ``scale_each``, each configuration's
+    from its own 1-client run instead), the serving path's host CPU (``host_cpu``, with
+    ``host``), then the latency outside the replica's passes (``fixed_ms``: the 1-client
     run's mean latency less the twin's, both models included)."""
     reqs = embed_requests(embed_workload(requests, SEED))
     base = measured["default"]
@@ -580,7 +590,10 @@ def predict_embed(
     for name, m in measured.items():
         if not isinstance(m, dict) or "closed_32" not in m or "half" not in m:
             continue
-        spec = embed_spec(profile, m["knobs"], overheads, scale)
+        own = scale
+        if scale_passes and scale_each:
+            own = embed_pass_scale(profile, m, reqs, m["knobs"]) or scale
+        spec = embed_spec(profile, m["knobs"], overheads, own)
         twin: dict[str, SimResult] = {
             "closed_32": spec.build().run(
                 clients=32, requests=reqs, duration_s=m["closed_32"]["span_s"], warmup_s=0
@@ -591,6 +604,8 @@ def predict_embed(
             arrivals = [(t, reqs[i % len(reqs)]) for i, t in enumerate(times)]
             twin[phase] = spec.build().run(arrivals=arrivals, warmup_s=0)
         out[name] = {k: v.as_dict() for k, v in twin.items()}
+        if own != scale:
+            out[name]["pass_scale"] = round(own, 4)
     return out
 
 
@@ -717,6 +732,7 @@ def cmd_report(args: Any) -> int:
             measured["requests"],
             host=not args.no_host,
             scale_passes=not args.no_pass_scale,
+            scale_each=args.scale_each,
         )
     if measured.get("generation"):
         predicted["generation"] = predict_generation(profile, measured["generation"])
@@ -902,6 +918,8 @@ def main(argv: list[str] | None = None) -> int:
                    help="leave the shared host CPU out of the twin (an ablation)")  # fmt: skip
     r.add_argument("--no-pass-scale", action="store_true",
                    help="price embedder passes at the profile's bare cost (an ablation)")  # fmt: skip
+    r.add_argument("--scale-each", action="store_true",
+                   help="each embed configuration's pass scale from its own 1-client run")  # fmt: skip
     args = p.parse_args(argv)
     return cmd_measure(args) if args.command == "measure" else cmd_report(args)
 

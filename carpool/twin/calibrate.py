@@ -12,6 +12,14 @@ as latency added to every request (which does not).
 ``serving_pass_scale`` reads it from a 1-client calibration run: the replica's own record of
 its passes' wall time there (``/v1/stats``) over the twin's price of the same requests'
 passes.
+
+Its limit, measured (validation run 5, ``benchmarks/TWIN.md``): the factor is not one number.
+At 1 client it was 1.20 for the default's small passes and 0.90 for ``split_policy:
+greedy``'s multi-row ones (the profile prices passes by padded tokens alone, and shapes of
+one padded size differ by up to 30%), and the same shapes ran at 1.18 and, three minutes
+later, 0.94 (the VM's speed drifts). Carried from one configuration's calibration run to
+another configuration or phase it made the twin worse there; it is kept as a measured
+input, not as a settled model.
 """
 
 from __future__ import annotations
