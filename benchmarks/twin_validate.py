@@ -557,7 +557,7 @@ def predict_embed(
     measured: dict,
     requests: int,
     host: bool = True,
-    scale_passes: bool = True,
+    scale_passes: bool = False,
     scale_each: bool = False,
 ) -> dict:
     """The twin on each configuration's requests and arrivals. Fitted on the default's
@@ -731,7 +731,7 @@ def cmd_report(args: Any) -> int:
             measured["embed"],
             measured["requests"],
             host=not args.no_host,
-            scale_passes=not args.no_pass_scale,
+            scale_passes=args.pass_scale or args.scale_each,
             scale_each=args.scale_each,
         )
     if measured.get("generation"):
@@ -791,10 +791,12 @@ def markdown(doc: dict, measured: dict) -> str:
             f"{100 * r['error']:+.1f}% |"
         )
     lines += ["", "## What is fitted, and on what", ""]
+    scaled = fitted.get("embed_pass_scale") is not None
     lines.append(
         "Nothing is fitted on a figure above. The passes cost what the profile measured (bare "
-        "forward passes, no serving), times what serving adds to a pass where that was "
-        "measured. Fitted on calibration runs, none of them among the "
+        "forward passes, no serving)"
+        + (", times what serving added to a pass in the calibration run" if scaled else "")
+        + ". Fitted on calibration runs, none of them among the "
         "figures (for embed, the **default** configuration's idle window of the deployed "
         "cluster and its 1-client closed loop):"
     )
@@ -916,8 +918,11 @@ def main(argv: list[str] | None = None) -> int:
     r.add_argument("--json", default="benchmarks/twin.json")
     r.add_argument("--no-host", action="store_true",
                    help="leave the shared host CPU out of the twin (an ablation)")  # fmt: skip
-    r.add_argument("--no-pass-scale", action="store_true",
-                   help="price embedder passes at the profile's bare cost (an ablation)")  # fmt: skip
+    # Off by default since run 5: one factor read on the default's 1-client run did not carry
+    # to other configurations (their own 1-client runs: 1.20 / 0.90 / 1.18; TWIN.md).
+    r.add_argument("--pass-scale", action="store_true",
+                   help="scale embedder passes by what serving added to them in the default's "
+                   "1-client run (run 5's twin)")  # fmt: skip
     r.add_argument("--scale-each", action="store_true",
                    help="each embed configuration's pass scale from its own 1-client run")  # fmt: skip
     args = p.parse_args(argv)
