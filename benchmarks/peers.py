@@ -570,10 +570,19 @@ class SystemSpec:
 
 
 def carpool_cluster(
-    wanted: Sequence[str], layout: Callable[[dict[str, Any]], None] | None = None
+    wanted: Sequence[str],
+    layout: Callable[[dict[str, Any]], None] | None = None,
+    own_session: bool = True,
 ) -> tuple[Callable[[], dict[str, Any]], Callable[[], None]]:
     """Start and stop of carpool's serve.yaml, only ``wanted`` apps (and what they call), on
-    a private Ray; ``layout`` edits the config first (a variant of the shipped one)."""
+    a private Ray; ``layout`` edits the config first (a variant of the shipped one).
+
+    The Ray runs in a session of its own, as every peer server does (``PeerProcess``): Linux
+    shares CPU between sessions first (autogroup), so a system in the load generator's
+    session would compete with it thread by thread while its peers compete as one group.
+    ``own_session=False`` (system ``carpool-harness-session``): Ray in the harness's session,
+    how this harness ran carpool before 2026-11-26 15:00 UTC.
+    """
     from benchmarks.reliability.cluster import Cluster, app_closure, load_config, subset
 
     holder: dict[str, Any] = {}
@@ -584,10 +593,14 @@ def carpool_cluster(
         config = subset(config, apps)
         if layout is not None:
             layout(config)
-        cluster = Cluster(config, port=PORTS["carpool"])
+        cluster = Cluster(config, port=PORTS["carpool"], own_session=own_session)
         holder["cluster"] = cluster
         seconds = cluster.start()
-        return {"command": f"serve.yaml apps {apps} on a private Ray", "start_s": seconds}
+        where = "its own session" if own_session else "the load generator's session"
+        return {
+            "command": f"serve.yaml apps {apps} on a private Ray in {where}",
+            "start_s": seconds,
+        }
 
     def stop() -> None:
         cluster = holder.pop("cluster", None)
@@ -604,7 +617,7 @@ def carpool_system(
     name: str = "carpool",
 ) -> SystemSpec:
     """carpool's serve.yaml, only ``app`` (and what it calls), on a private Ray."""
-    start, stop = carpool_cluster([app], layout)
+    start, stop = carpool_cluster([app], layout, own_session=name not in HARNESS_SESSION)
     port = PORTS["carpool"]
     prefix = "/" + app
 
@@ -1132,7 +1145,10 @@ CARPOOL_LAYOUTS: dict[str, Callable[[dict[str, Any]], None] | None] = {
     "carpool-mp": worker_process_layout,
     "carpool-direct": streaming_layout(direct=True),
     "carpool-ingress": streaming_layout(direct=False),
+    "carpool-harness-session": None,  # serve.yaml, Ray in the load generator's session
 }
+# carpool systems whose Ray shares the harness's session (carpool_cluster's own_session).
+HARNESS_SESSION = frozenset({"carpool-harness-session"})
 
 
 def mixed_systems(names: Sequence[str], log_dir: Path, args: argparse.Namespace) -> list:
@@ -1140,7 +1156,9 @@ def mixed_systems(names: Sequence[str], log_dir: Path, args: argparse.Namespace)
     carpool_url = f"http://{HOST}:{PORTS['carpool']}"
     for name in names:
         if name in CARPOOL_LAYOUTS:
-            start, stop = carpool_cluster(["embed", "generate"], CARPOOL_LAYOUTS[name])
+            start, stop = carpool_cluster(
+                ["embed", "generate"], CARPOOL_LAYOUTS[name], name not in HARNESS_SESSION
+            )
             out.append(
                 MixedSpec(
                     name,
@@ -1152,13 +1170,15 @@ def mixed_systems(names: Sequence[str], log_dir: Path, args: argparse.Namespace)
                     stop,
                 )
             )
-        elif name == "infinity+vllm":
+        elif name.startswith("infinity+") and name.removeprefix("infinity+") in VLLM_VARIANTS:
+            # infinity+vllm: vLLM's own layout; infinity+vllm-uni: carpool's shipped one.
             (embed,) = embed_systems(["infinity-torch"], log_dir)
-            (gen,) = generate_systems(["vllm"], log_dir, args)
+            (gen,) = generate_systems([name.removeprefix("infinity+")], log_dir, args)
             out.append(mixed_pair(name, embed, gen))
         else:
+            peers = ", ".join(f"infinity+{v}" for v in VLLM_VARIANTS)
             raise SystemExit(
-                f"unknown mixed system {name!r}: use {', '.join(CARPOOL_LAYOUTS)}, infinity+vllm"
+                f"unknown mixed system {name!r}: use {', '.join(CARPOOL_LAYOUTS)}, {peers}"
             )
     return out
 

@@ -329,7 +329,7 @@ def _quantiles(xs: list[float]) -> list[int]:
 def cmd_compare(args: Any) -> int:
     """The replica's passes against the profile's price, the hops, and the twin (its pass
     scale fitted on the 1-client phase, as ``twin_validate report`` fits it) per phase."""
-    from benchmarks.twin_validate import _mean_ms, embed_spec
+    from benchmarks.twin_report import _mean_ms, embed_spec
     from carpool.twin.calibrate import serving_pass_scale
     from carpool.twin.profile import load_profile
     from carpool.twin.replicas import PointsCurve

@@ -9,9 +9,14 @@ Knobs come from serve.yaml; ``--set app.deployment.knob=value`` overrides a depl
 
 from __future__ import annotations
 
+import atexit
+import contextlib
 import copy
 import math
 import os
+import signal
+import subprocess
+import sys
 import time
 from collections.abc import Iterable
 from dataclasses import dataclass
@@ -25,6 +30,19 @@ from benchmarks.deploy import REPO_ROOT, _exit_on_sigterm_after_ray, free_port
 
 SERVE_CONFIG = REPO_ROOT / "serve.yaml"
 NAMESPACE = "serve"
+OBJECT_STORE_BYTES = 256 * 1024 * 1024
+
+
+def _session_pids(sid: int) -> list[int]:
+    """Live processes of session ``sid`` (this process excluded)."""
+    pids = []
+    for pid in psutil.pids():
+        try:
+            if pid != os.getpid() and os.getsid(pid) == sid:
+                pids.append(pid)
+        except (ProcessLookupError, PermissionError):
+            continue
+    return pids
 
 
 def load_config(path: str | Path = SERVE_CONFIG) -> dict[str, Any]:
@@ -138,8 +156,11 @@ class Cluster:
         url: str | None = None,
         ray_address: str | None = None,
         port: int | None = None,
+        own_session: bool = False,
     ) -> None:
         self.config = config
+        self.own_session = own_session
+        self.session_id: int | None = None  # the head's session, with own_session
         self.external = url is not None
         self.port = port or free_port()
         self.url = url.rstrip("/") if url else f"http://127.0.0.1:{self.port}"
@@ -166,14 +187,18 @@ class Cluster:
                 ray.init(address=self.ray_address, namespace=NAMESPACE, log_to_driver=False)
                 self.connected = True
             return 0.0
-        ray.init(
-            address="local",  # always a fresh cluster, never someone else's
-            num_cpus=math.ceil(os.cpu_count() or 2),
-            include_dashboard=False,
-            log_to_driver=False,
-            namespace=NAMESPACE,
-            object_store_memory=256 * 1024 * 1024,
-        )
+        if self.own_session:
+            address = self._start_head_in_own_session()
+            ray.init(address=address, namespace=NAMESPACE, log_to_driver=False)
+        else:
+            ray.init(
+                address="local",  # always a fresh cluster, never someone else's
+                num_cpus=math.ceil(os.cpu_count() or 2),
+                include_dashboard=False,
+                log_to_driver=False,
+                namespace=NAMESPACE,
+                object_store_memory=OBJECT_STORE_BYTES,
+            )
         self.started = self.connected = True
         _exit_on_sigterm_after_ray()
         from ray.serve._private import api as serve_api
@@ -235,9 +260,63 @@ class Cluster:
             finally:
                 ray.shutdown()
                 self.started = self.connected = False
+                self._stop_session()
         elif self.connected:
             ray.shutdown()
             self.connected = False
+
+    def _start_head_in_own_session(self) -> str:
+        """Starts a fresh Ray head (``ray start``) in a session of its own; returns its address.
+
+        Linux groups a session's processes for CPU fairness (autogroup): a peer server started
+        in its own session competes with the load generator as one group, while a Ray started
+        by ``ray.init`` here shares the load generator's session and every one of its
+        processes competes with the load generator thread by thread. The head in its own
+        session puts carpool where a user's ``serve run`` is: apart from its clients.
+        """
+        gcs_port = free_port()
+        cmd = [
+            str(Path(sys.executable).with_name("ray")),
+            "start",
+            "--head",
+            f"--port={gcs_port}",
+            f"--num-cpus={math.ceil(os.cpu_count() or 2)}",
+            "--include-dashboard=false",
+            f"--object-store-memory={OBJECT_STORE_BYTES}",
+            "--disable-usage-stats",
+        ]
+        proc = subprocess.Popen(
+            cmd,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )
+        self.session_id = proc.pid  # setsid: the session's id is its first process's pid
+        atexit.register(self._stop_session)  # a killed harness must not leave a Ray behind
+        out, _ = proc.communicate(timeout=300)
+        if proc.returncode != 0:
+            self._stop_session()
+            raise RuntimeError(
+                f"`ray start --head` failed:\n{out.decode(errors='replace')[-3000:]}"
+            )
+        return f"127.0.0.1:{gcs_port}"
+
+    def _stop_session(self) -> None:
+        """Ends every process of the head's session (Ray's daemons, workers, replicas)."""
+        sid, self.session_id = self.session_id, None
+        if sid is None:
+            return
+        for sig, wait_s in ((signal.SIGTERM, 10.0), (signal.SIGKILL, 5.0)):
+            pids = _session_pids(sid)
+            for pid in pids:
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(pid, sig)
+            deadline = time.monotonic() + wait_s
+            while pids and time.monotonic() < deadline:
+                time.sleep(0.2)
+                pids = _session_pids(sid)
+            if not pids:
+                return
 
     # --- replicas -------------------------------------------------------------------------
 

@@ -424,7 +424,11 @@ def test_carpool_layouts_change_only_their_thread_knobs() -> None:
         "carpool-mp",
         "carpool-direct",
         "carpool-ingress",
+        "carpool-harness-session",
     }
+    # Every carpool system but one runs its Ray in a session of its own, as the peers do.
+    assert {"carpool-harness-session"} == peers.HARNESS_SESSION
+    assert peers.CARPOOL_LAYOUTS["carpool-harness-session"] is None
     with pytest.raises(KeyError, match="no application 'nope'"):
         peers.app_entry(shipped, "nope")
 
