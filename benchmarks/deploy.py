@@ -9,11 +9,17 @@ replica uses no CPU, while the torch thread count is what bounds each replica's 
 
 from __future__ import annotations
 
+import atexit
+import contextlib
+import json
 import math
 import os
 import signal
 import socket
+import subprocess
+import sys
 import threading
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -253,9 +259,14 @@ def free_port() -> int:
 class ServeCluster:
     """A private Ray + Serve for one benchmark process, torn down at the end."""
 
-    def __init__(self, port: int = DEFAULT_PORT, logical_cpus: float | None = None) -> None:
+    def __init__(
+        self, port: int = DEFAULT_PORT, logical_cpus: float | None = None, own_session: bool = False
+    ) -> None:
         self.port = port
         self.logical_cpus = logical_cpus
+        # Ray in a session of its own (start_head_in_own_session), apart from the load generator.
+        self.own_session = own_session
+        self.session_id: int | None = None
         self.metrics_port = free_port()
         self.started = False
 
@@ -281,17 +292,30 @@ class ServeCluster:
         from ray import serve
 
         cpus = self.logical_cpus or float(os.cpu_count() or 2)
-        ray.init(
-            address="local",  # always a fresh cluster, never another agent's
-            num_cpus=math.ceil(cpus),
-            include_dashboard=False,
-            log_to_driver=False,
-            object_store_memory=256 * 1024 * 1024,  # requests are small; keep /dev/shm free
-            _metrics_export_port=self.metrics_port,
-            # Replicas push metrics every 10 s by default; 2 s lets the batch-size histogram
-            # be read a few seconds after a run instead of ten.
-            _system_config={"metrics_report_interval_ms": METRICS_INTERVAL_MS},
-        )
+        # Replicas push metrics every 10 s by default; 2 s lets the batch-size histogram be
+        # read a few seconds after a run instead of ten.
+        system_config = {"metrics_report_interval_ms": METRICS_INTERVAL_MS}
+        object_store = 256 * 1024 * 1024  # requests are small; keep /dev/shm free
+        if self.own_session:
+            self.session_id, address = start_head_in_own_session(
+                [
+                    f"--num-cpus={math.ceil(cpus)}",
+                    f"--object-store-memory={object_store}",
+                    f"--metrics-export-port={self.metrics_port}",
+                    f"--system-config={json.dumps(system_config)}",
+                ]
+            )
+            ray.init(address=address, log_to_driver=False)
+        else:
+            ray.init(
+                address="local",  # always a fresh cluster, never another agent's
+                num_cpus=math.ceil(cpus),
+                include_dashboard=False,
+                log_to_driver=False,
+                object_store_memory=object_store,
+                _metrics_export_port=self.metrics_port,
+                _system_config=system_config,
+            )
         self.started = True
         _exit_on_sigterm_after_ray()
         serve.start(
@@ -325,6 +349,61 @@ class ServeCluster:
         finally:
             ray.shutdown()
             self.started = False
+            stop_session(self.session_id)
+            self.session_id = None
+
+
+def start_head_in_own_session(args: list[str]) -> tuple[int, str]:
+    """Starts a fresh Ray head (``ray start --head`` + ``args``) in a session of its own;
+    returns the session's id and the head's address. ``stop_session`` ends it.
+
+    Linux groups a session's processes for CPU fairness (autogroup): a peer server started
+    in its own session competes with the load generator as one group, while a Ray started by
+    ``ray.init`` in the benchmark's process shares the load generator's session and each of
+    its processes competes with the load generator thread by thread. A head in its own
+    session puts the servers under test where a user's ``serve run`` is: apart from clients.
+    """
+    gcs_port = free_port()
+    cmd = [str(Path(sys.executable).with_name("ray")), "start", "--head", f"--port={gcs_port}"]
+    cmd += ["--include-dashboard=false", "--disable-usage-stats", *args]
+    proc = subprocess.Popen(
+        cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, start_new_session=True
+    )
+    sid = proc.pid  # setsid: a session's id is its first process's pid
+    atexit.register(stop_session, sid)  # a killed benchmark must not leave a Ray behind
+    out, _ = proc.communicate(timeout=300)
+    if proc.returncode != 0:
+        stop_session(sid)
+        raise RuntimeError(f"`ray start --head` failed:\n{out.decode(errors='replace')[-3000:]}")
+    return sid, f"127.0.0.1:{gcs_port}"
+
+
+def _session_pids(sid: int) -> list[int]:
+    """Live processes of session ``sid`` (this process excluded)."""
+    pids = []
+    for name in os.listdir("/proc"):
+        if name.isdigit() and int(name) != os.getpid():
+            with contextlib.suppress(OSError):
+                if os.getsid(int(name)) == sid:
+                    pids.append(int(name))
+    return pids
+
+
+def stop_session(sid: int | None) -> None:
+    """Ends every process of session ``sid`` (Ray's daemons, workers, replicas, engines)."""
+    if sid is None:
+        return
+    for sig, wait_s in ((signal.SIGTERM, 10.0), (signal.SIGKILL, 5.0)):
+        pids = _session_pids(sid)
+        for pid in pids:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, sig)
+        deadline = time.monotonic() + wait_s
+        while pids and time.monotonic() < deadline:
+            time.sleep(0.2)
+            pids = _session_pids(sid)
+        if not pids:
+            return
 
 
 def _exit_on_sigterm_after_ray() -> None:

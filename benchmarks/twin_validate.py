@@ -258,8 +258,11 @@ def measure_embed(args: Any) -> dict[str, Any]:
 
     workload = embed_workload(args.requests, SEED)
     spec, resources = SYSTEMS["carpool"], Resources()
-    cluster = ServeCluster(args.port, logical_cpus_needed([spec], resources))
-    results: dict[str, Any] = {"resources": resources.model_dump()}
+    # Ray in a session of its own, apart from this load generator, as a user's serve run is
+    # (since run 7; runs 1-6 shared the load generator's session: --harness-session).
+    own = not args.harness_session
+    cluster = ServeCluster(args.port, logical_cpus_needed([spec], resources), own_session=own)
+    results: dict[str, Any] = {"resources": resources.model_dump(), "ray_own_session": own}
     cluster.start()
     try:
         for name in args.configs:
@@ -513,6 +516,8 @@ def main(argv: list[str] | None = None) -> int:
     m.add_argument("--duration", type=float, default=40.0)
     m.add_argument("--calibrate-s", type=float, default=15.0)
     m.add_argument("--port", type=int, default=8163)
+    m.add_argument("--harness-session", action="store_true",
+                   help="start Ray in this process's session (runs 1-6), not its own")  # fmt: skip
     r = sub.add_parser("report", help="the twin beside a measurement: TWIN.md and twin.json")
     r.add_argument("measured")
     r.add_argument("--profile", default="profiles/cpu-2core.json")

@@ -9,14 +9,9 @@ Knobs come from serve.yaml; ``--set app.deployment.knob=value`` overrides a depl
 
 from __future__ import annotations
 
-import atexit
-import contextlib
 import copy
 import math
 import os
-import signal
-import subprocess
-import sys
 import time
 from collections.abc import Iterable
 from dataclasses import dataclass
@@ -26,23 +21,17 @@ from typing import Any
 import psutil
 import yaml
 
-from benchmarks.deploy import REPO_ROOT, _exit_on_sigterm_after_ray, free_port
+from benchmarks.deploy import (
+    REPO_ROOT,
+    _exit_on_sigterm_after_ray,
+    free_port,
+    start_head_in_own_session,
+    stop_session,
+)
 
 SERVE_CONFIG = REPO_ROOT / "serve.yaml"
 NAMESPACE = "serve"
 OBJECT_STORE_BYTES = 256 * 1024 * 1024
-
-
-def _session_pids(sid: int) -> list[int]:
-    """Live processes of session ``sid`` (this process excluded)."""
-    pids = []
-    for pid in psutil.pids():
-        try:
-            if pid != os.getpid() and os.getsid(pid) == sid:
-                pids.append(pid)
-        except (ProcessLookupError, PermissionError):
-            continue
-    return pids
 
 
 def load_config(path: str | Path = SERVE_CONFIG) -> dict[str, Any]:
@@ -188,7 +177,10 @@ class Cluster:
                 self.connected = True
             return 0.0
         if self.own_session:
-            address = self._start_head_in_own_session()
+            cpus = math.ceil(os.cpu_count() or 2)
+            self.session_id, address = start_head_in_own_session(
+                [f"--num-cpus={cpus}", f"--object-store-memory={OBJECT_STORE_BYTES}"]
+            )
             ray.init(address=address, namespace=NAMESPACE, log_to_driver=False)
         else:
             ray.init(
@@ -260,63 +252,11 @@ class Cluster:
             finally:
                 ray.shutdown()
                 self.started = self.connected = False
-                self._stop_session()
+                stop_session(self.session_id)
+                self.session_id = None
         elif self.connected:
             ray.shutdown()
             self.connected = False
-
-    def _start_head_in_own_session(self) -> str:
-        """Starts a fresh Ray head (``ray start``) in a session of its own; returns its address.
-
-        Linux groups a session's processes for CPU fairness (autogroup): a peer server started
-        in its own session competes with the load generator as one group, while a Ray started
-        by ``ray.init`` here shares the load generator's session and every one of its
-        processes competes with the load generator thread by thread. The head in its own
-        session puts carpool where a user's ``serve run`` is: apart from its clients.
-        """
-        gcs_port = free_port()
-        cmd = [
-            str(Path(sys.executable).with_name("ray")),
-            "start",
-            "--head",
-            f"--port={gcs_port}",
-            f"--num-cpus={math.ceil(os.cpu_count() or 2)}",
-            "--include-dashboard=false",
-            f"--object-store-memory={OBJECT_STORE_BYTES}",
-            "--disable-usage-stats",
-        ]
-        proc = subprocess.Popen(
-            cmd,
-            stdout=subprocess.PIPE,
-            stderr=subprocess.STDOUT,
-            start_new_session=True,
-        )
-        self.session_id = proc.pid  # setsid: the session's id is its first process's pid
-        atexit.register(self._stop_session)  # a killed harness must not leave a Ray behind
-        out, _ = proc.communicate(timeout=300)
-        if proc.returncode != 0:
-            self._stop_session()
-            raise RuntimeError(
-                f"`ray start --head` failed:\n{out.decode(errors='replace')[-3000:]}"
-            )
-        return f"127.0.0.1:{gcs_port}"
-
-    def _stop_session(self) -> None:
-        """Ends every process of the head's session (Ray's daemons, workers, replicas)."""
-        sid, self.session_id = self.session_id, None
-        if sid is None:
-            return
-        for sig, wait_s in ((signal.SIGTERM, 10.0), (signal.SIGKILL, 5.0)):
-            pids = _session_pids(sid)
-            for pid in pids:
-                with contextlib.suppress(ProcessLookupError):
-                    os.kill(pid, sig)
-            deadline = time.monotonic() + wait_s
-            while pids and time.monotonic() < deadline:
-                time.sleep(0.2)
-                pids = _session_pids(sid)
-            if not pids:
-                return
 
     # --- replicas -------------------------------------------------------------------------
 
@@ -363,10 +303,13 @@ class Cluster:
 
         Ray titles its worker processes ``ray::ServeReplica:<app>:<deployment>``,
         ``ray::ProxyActor`` and ``ray::ServeController``. A cluster started here is searched
-        among this process's descendants (never another agent's Ray); an attached one among
-        all processes. Several replicas of one deployment get ``#2``, ``#3`` suffixes.
+        among this process's descendants, or its head's session (never another agent's Ray);
+        an attached one among all processes. Several replicas of one deployment get ``#2``,
+        ``#3`` suffixes.
         """
-        if self.started:
+        if self.started and self.session_id is not None:
+            procs = [p for p in psutil.process_iter() if _in_session(p.pid, self.session_id)]
+        elif self.started:
             procs = psutil.Process(os.getpid()).children(recursive=True)
         else:
             procs = list(psutil.process_iter())
@@ -384,6 +327,13 @@ class Cluster:
                 name, i = f"{key}#{i}", i + 1
             out[name] = p.pid
         return out
+
+
+def _in_session(pid: int, sid: int) -> bool:
+    try:
+        return os.getsid(pid) == sid
+    except OSError:
+        return False
 
 
 def process_key(title: str) -> str | None:
