@@ -370,7 +370,7 @@ def start_head_in_own_session(args: list[str]) -> tuple[int, str]:
         cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, start_new_session=True
     )
     sid = proc.pid  # setsid: a session's id is its first process's pid
-    atexit.register(stop_session, sid)  # a killed benchmark must not leave a Ray behind
+    _LIVE_SESSIONS.add(sid)  # a killed benchmark must not leave a Ray behind (atexit below)
     out, _ = proc.communicate(timeout=300)
     if proc.returncode != 0:
         stop_session(sid)
@@ -378,7 +378,20 @@ def start_head_in_own_session(args: list[str]) -> tuple[int, str]:
     return sid, f"127.0.0.1:{gcs_port}"
 
 
-def _session_pids(sid: int) -> list[int]:
+# Sessions started and not yet stopped; only these are ended at exit (a stopped session's id
+# is a pid the OS may hand to an unrelated process later).
+_LIVE_SESSIONS: set[int] = set()
+
+
+def _stop_live_sessions() -> None:
+    for sid in list(_LIVE_SESSIONS):
+        stop_session(sid)
+
+
+atexit.register(_stop_live_sessions)
+
+
+def session_pids(sid: int) -> list[int]:
     """Live processes of session ``sid`` (this process excluded)."""
     pids = []
     for name in os.listdir("/proc"):
@@ -393,15 +406,16 @@ def stop_session(sid: int | None) -> None:
     """Ends every process of session ``sid`` (Ray's daemons, workers, replicas, engines)."""
     if sid is None:
         return
+    _LIVE_SESSIONS.discard(sid)
     for sig, wait_s in ((signal.SIGTERM, 10.0), (signal.SIGKILL, 5.0)):
-        pids = _session_pids(sid)
+        pids = session_pids(sid)
         for pid in pids:
             with contextlib.suppress(ProcessLookupError):
                 os.kill(pid, sig)
         deadline = time.monotonic() + wait_s
         while pids and time.monotonic() < deadline:
             time.sleep(0.2)
-            pids = _session_pids(sid)
+            pids = session_pids(sid)
         if not pids:
             return
 

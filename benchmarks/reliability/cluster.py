@@ -9,6 +9,7 @@ Knobs come from serve.yaml; ``--set app.deployment.knob=value`` overrides a depl
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import math
 import os
@@ -25,6 +26,7 @@ from benchmarks.deploy import (
     REPO_ROOT,
     _exit_on_sigterm_after_ray,
     free_port,
+    session_pids,
     start_head_in_own_session,
     stop_session,
 )
@@ -308,7 +310,10 @@ class Cluster:
         ``#3`` suffixes.
         """
         if self.started and self.session_id is not None:
-            procs = [p for p in psutil.process_iter() if _in_session(p.pid, self.session_id)]
+            procs = []
+            for pid in session_pids(self.session_id):
+                with contextlib.suppress(psutil.NoSuchProcess):
+                    procs.append(psutil.Process(pid))
         elif self.started:
             procs = psutil.Process(os.getpid()).children(recursive=True)
         else:
@@ -327,13 +332,6 @@ class Cluster:
                 name, i = f"{key}#{i}", i + 1
             out[name] = p.pid
         return out
-
-
-def _in_session(pid: int, sid: int) -> bool:
-    try:
-        return os.getsid(pid) == sid
-    except OSError:
-        return False
 
 
 def process_key(title: str) -> str | None:
