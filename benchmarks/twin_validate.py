@@ -25,12 +25,13 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import json
 import os
 import sys
 import time
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 os.environ.setdefault("RAY_AUTH_MODE", "disabled")
 os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
@@ -39,6 +40,9 @@ from benchmarks.arrivals import ArrivalSpec
 from benchmarks.workloads import EmbedRequest, Workload, embed_workload
 from carpool.twin.replicas import SimRequest
 from carpool.twin.sim import percentile
+
+if TYPE_CHECKING:
+    from benchmarks.deploy import ServeCluster
 
 ROOT = Path(__file__).resolve().parent.parent
 # The embed configurations validated: serve.yaml's knobs, then changes the twin was not fitted on.
@@ -138,15 +142,22 @@ def _summary(run: Any) -> dict[str, Any]:
     }
 
 
-def _cpu_snapshot() -> dict[str, Any]:
-    """CPU seconds so far of this process (the load generator) and every process under it
-    (``ray.init`` starts the cluster as its children: proxy, replicas, controller, raylet),
-    by process, and the whole machine's busy CPU seconds (/proc/stat)."""
+def _cpu_snapshot(session: int | None = None) -> dict[str, Any]:
+    """CPU seconds so far of this process (the load generator), every process under it
+    (``ray.init`` starts a cluster as its children) and every process of ``session`` (a Ray
+    started in a session of its own: proxy, replicas, controller, raylet, GCS), by process,
+    and the whole machine's busy CPU seconds (/proc/stat)."""
     import psutil
 
+    from benchmarks.deploy import session_pids
+
     me = psutil.Process()
+    cluster: list[psutil.Process] = []
+    for pid in session_pids(session) if session is not None else []:
+        with contextlib.suppress(psutil.Error):
+            cluster.append(psutil.Process(pid))
     procs: dict[int, tuple[str, float]] = {}
-    for proc in [me, *me.children(recursive=True)]:
+    for proc in [me, *me.children(recursive=True), *cluster]:
         try:
             times = proc.cpu_times()
             title = (proc.cmdline() or [proc.name()])[0]
@@ -209,34 +220,37 @@ def replica_passes(before: dict[str, Any], after: dict[str, Any]) -> dict[str, f
     }
 
 
-async def _timed(bench: Any, system: Any, workload: Workload, spec: ArrivalSpec) -> dict:
+async def _timed(
+    bench: Any, system: Any, workload: Workload, spec: ArrivalSpec, session: int | None
+) -> dict:
     """One phase's summary, with the CPU the cluster, the load generator and the machine used,
     and what the replica's passes did (``replica``: their count and wall time, /v1/stats)."""
     stats = await bench.replica_snapshot(system)
-    before = _cpu_snapshot()
+    before = _cpu_snapshot(session)
     out = _summary(await bench.run(system, workload, spec))
-    out["cpu"] = _cpu_used(before, _cpu_snapshot())
+    out["cpu"] = _cpu_used(before, _cpu_snapshot(session))
     out["replica"] = replica_passes(stats, await bench.replica_snapshot(system))
     return out
 
 
-async def _embed_phases(base_url: str, system: Any, workload: Workload, args: Any) -> dict:
+async def _embed_phases(cluster: ServeCluster, system: Any, workload: Workload, args: Any) -> dict:
     from benchmarks.loadgen import LoadGenerator
     from benchmarks.runner import Bench
 
     out: dict[str, Any] = {}
-    async with LoadGenerator(base_url, 256, 120.0, False) as gen:
+    session = cluster.session_id  # None: Ray is this process's children
+    async with LoadGenerator(cluster.base_url, 256, 120.0, False) as gen:
         bench = Bench(gen)
         await gen.wait_ready(system.target.ready_path, timeout_s=300)
         warm = ArrivalSpec(kind="closed", concurrency=4, duration_s=5)
         await bench.run(system, workload, warm)
         calib = ArrivalSpec(kind="closed", concurrency=1, duration_s=args.calibrate_s)
-        idle = _cpu_snapshot()
+        idle = _cpu_snapshot(session)
         await asyncio.sleep(3)  # the cluster idle: what it burns with no requests
-        out["idle"] = _cpu_used(idle, _cpu_snapshot())
-        out["closed_1"] = await _timed(bench, system, workload, calib)
+        out["idle"] = _cpu_used(idle, _cpu_snapshot(session))
+        out["closed_1"] = await _timed(bench, system, workload, calib, session)
         closed = ArrivalSpec(kind="closed", concurrency=32, duration_s=args.duration)
-        out["closed_32"] = await _timed(bench, system, workload, closed)
+        out["closed_32"] = await _timed(bench, system, workload, closed, session)
         capacity = out["closed_32"]["requests_per_s"]
         for name, factor, duration in (
             ("half", 0.5, args.duration),
@@ -245,7 +259,7 @@ async def _embed_phases(base_url: str, system: Any, workload: Workload, args: An
             spec = ArrivalSpec(
                 kind="poisson", rate=factor * capacity, duration_s=duration, seed=SEED
             )
-            out[name] = await _timed(bench, system, workload, spec)
+            out[name] = await _timed(bench, system, workload, spec, session)
             out[name]["rate"] = factor * capacity
             out[name]["arrivals"] = spec.schedule()
     return out
@@ -276,7 +290,7 @@ def measure_embed(args: Any) -> dict[str, Any]:
             try:
                 results[name] = {
                     "knobs": knobs,
-                    **asyncio.run(_embed_phases(cluster.base_url, system, workload, args)),
+                    **asyncio.run(_embed_phases(cluster, system, workload, args)),
                 }
             except Exception as exc:  # one configuration's failure must not lose the others
                 results[name] = {"knobs": knobs, "error": repr(exc)}
