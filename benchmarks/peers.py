@@ -1137,6 +1137,18 @@ def streaming_layout(direct: bool) -> Callable[[dict[str, Any]], None]:
     return layout
 
 
+def stream_interval_layout(ms: float) -> Callable[[dict[str, Any]], None]:
+    """serve.yaml with the small generator's streamed text held up to ``ms`` between
+    messages (``stream_interval_ms``; 8 tokens still send at once)."""
+
+    def layout(config: dict[str, Any]) -> None:
+        for d in app_entry(config, "generate").setdefault("deployments", []):
+            if d["name"] == "small":
+                d.setdefault("user_config", {})["stream_interval_ms"] = ms
+
+    return layout
+
+
 # carpool's variants: serve.yaml with one layout changed (generate and mixed runs).
 CARPOOL_LAYOUTS: dict[str, Callable[[dict[str, Any]], None] | None] = {
     "carpool": None,
@@ -1146,6 +1158,7 @@ CARPOOL_LAYOUTS: dict[str, Callable[[dict[str, Any]], None] | None] = {
     "carpool-direct": streaming_layout(direct=True),
     "carpool-ingress": streaming_layout(direct=False),
     "carpool-harness-session": None,  # serve.yaml, Ray in the load generator's session
+    "carpool-stream1s": stream_interval_layout(1000.0),
 }
 # carpool systems whose Ray shares the harness's session (carpool_cluster's own_session).
 HARNESS_SESSION = frozenset({"carpool-harness-session"})
