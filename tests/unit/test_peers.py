@@ -417,8 +417,24 @@ def test_carpool_layouts_change_only_their_thread_knobs() -> None:
         ]
         assert variant == shipped
 
+    # The stream-interval variant changes only the small generator's stream_interval_ms.
+    def small_user_config(config: dict) -> dict:
+        entry = peers.app_entry(config, "generate")
+        return next(d for d in entry["deployments"] if d["name"] == "small")["user_config"]
+
+    held = copy.deepcopy(shipped)
+    layout = peers.CARPOOL_LAYOUTS["carpool-stream1s"]
+    assert layout is not None
+    layout(held)
+    assert small_user_config(held)["stream_interval_ms"] == 1000.0
+    assert small_user_config(shipped).get("stream_interval_ms") != 1000.0
+    small_user_config(held).pop("stream_interval_ms")
+    small_user_config(shipped).pop("stream_interval_ms", None)
+    assert held == shipped
+
     assert set(peers.CARPOOL_LAYOUTS) == {
         "carpool",
+        "carpool-stream1s",
         "carpool-reserved",
         "carpool-allcores",
         "carpool-mp",
