@@ -402,6 +402,17 @@ def session_pids(sid: int) -> list[int]:
     return pids
 
 
+def session_processes(sid: int) -> list[Any]:
+    """``psutil.Process`` of every live process of session ``sid`` (this one excluded)."""
+    import psutil
+
+    procs = []
+    for pid in session_pids(sid):
+        with contextlib.suppress(psutil.NoSuchProcess):
+            procs.append(psutil.Process(pid))
+    return procs
+
+
 def stop_session(sid: int | None) -> None:
     """Ends every process of session ``sid`` (Ray's daemons, workers, replicas, engines)."""
     if sid is None:

@@ -1142,9 +1142,11 @@ def stream_interval_layout(ms: float) -> Callable[[dict[str, Any]], None]:
     messages (``stream_interval_ms``; 8 tokens still send at once)."""
 
     def layout(config: dict[str, Any]) -> None:
-        for d in app_entry(config, "generate").setdefault("deployments", []):
-            if d["name"] == "small":
-                d.setdefault("user_config", {})["stream_interval_ms"] = ms
+        deployments = app_entry(config, "generate").get("deployments", [])
+        small = next((d for d in deployments if d["name"] == "small"), None)
+        if small is None:  # else the variant would quietly be serve.yaml itself
+            raise KeyError("serve.yaml's generate app has no 'small' deployment entry")
+        small.setdefault("user_config", {})["stream_interval_ms"] = ms
 
     return layout
 

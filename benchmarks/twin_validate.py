@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import contextlib
 import json
 import os
 import sys
@@ -149,13 +148,10 @@ def _cpu_snapshot(session: int | None = None) -> dict[str, Any]:
     and the whole machine's busy CPU seconds (/proc/stat)."""
     import psutil
 
-    from benchmarks.deploy import session_pids
+    from benchmarks.deploy import session_processes
 
     me = psutil.Process()
-    cluster: list[psutil.Process] = []
-    for pid in session_pids(session) if session is not None else []:
-        with contextlib.suppress(psutil.Error):
-            cluster.append(psutil.Process(pid))
+    cluster = session_processes(session) if session is not None else []
     procs: dict[int, tuple[str, float]] = {}
     for proc in [me, *me.children(recursive=True), *cluster]:
         try:

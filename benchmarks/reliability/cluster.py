@@ -9,7 +9,6 @@ Knobs come from serve.yaml; ``--set app.deployment.knob=value`` overrides a depl
 
 from __future__ import annotations
 
-import contextlib
 import copy
 import math
 import os
@@ -26,7 +25,7 @@ from benchmarks.deploy import (
     REPO_ROOT,
     _exit_on_sigterm_after_ray,
     free_port,
-    session_pids,
+    session_processes,
     start_head_in_own_session,
     stop_session,
 )
@@ -310,10 +309,7 @@ class Cluster:
         ``#3`` suffixes.
         """
         if self.started and self.session_id is not None:
-            procs = []
-            for pid in session_pids(self.session_id):
-                with contextlib.suppress(psutil.NoSuchProcess):
-                    procs.append(psutil.Process(pid))
+            procs = session_processes(self.session_id)
         elif self.started:
             procs = psutil.Process(os.getpid()).children(recursive=True)
         else:
