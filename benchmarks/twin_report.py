@@ -282,6 +282,16 @@ def cmd_report(args: Any) -> int:
             "embed_fixed_ms": predicted.get("embed", {}).get("fixed_ms"),
             "embed_pass_scale": predicted.get("embed", {}).get("pass_scale"),
             "embed_host": predicted.get("embed", {}).get("host"),
+            # Where the embedder's pass prices come from: "serving" when the profile's entry
+            # was re-timed in a replica (carpool.twin serving-profile), else bare passes.
+            "embed_passes_from": next(
+                (
+                    "serving" if e.get("serving") else "bare"
+                    for e in profile["models"]
+                    if e.get("role") == "embedder"
+                ),
+                None,
+            ),
             "generation_step_overhead_ms": {
                 k: v.get("step_overhead_ms") for k, v in (predicted.get("generation") or {}).items()
             },
@@ -324,9 +334,15 @@ def markdown(doc: dict, measured: dict) -> str:
         )
     lines += ["", "## What is fitted, and on what", ""]
     scaled = fitted.get("embed_pass_scale") is not None
+    passes = (
+        "the embedder's passes as its deployed replica ran them, one request of each of the "
+        "profile's shapes at a time, on the default configuration before its phases "
+        "(`carpool.twin serving-profile`); the generator's bare steps"
+        if fitted.get("embed_passes_from") == "serving"
+        else "bare forward passes, no serving"
+    )
     lines.append(
-        "Nothing is fitted on a figure above. The passes cost what the profile measured (bare "
-        "forward passes, no serving)"
+        f"Nothing is fitted on a figure above. The passes cost what the profile measured ({passes})"
         + (", times what serving added to a pass in the calibration run" if scaled else "")
         + ". Fitted on calibration runs, none of them among the "
         "figures (for embed, the **default** configuration's idle window of the deployed "

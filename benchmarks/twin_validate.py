@@ -51,6 +51,8 @@ EMBED_CONFIGS: dict[str, dict[str, Any]] = {
     "max_batch_size_8": {"max_batch_size": 8},
     "greedy": {"split_policy": "greedy"},
 }
+# The embed configuration the twin's host and serving-path figures are calibrated on.
+CALIBRATION_CONFIG = "default"
 GEN_CLIENTS = (4, 16, 64)
 # Generation configurations: knobs, and the client counts each is measured at. serve.yaml's
 # small generator runs 64 sequences and 512-token steps; the other batches 16 sequences.
@@ -229,7 +231,30 @@ async def _timed(
     return out
 
 
-async def _embed_phases(cluster: ServeCluster, system: Any, workload: Workload, args: Any) -> dict:
+def _retime(base: str, dest: str, url: str) -> dict[str, Any]:
+    """``base``'s embedder passes re-timed in the deployed replica at ``url``, saved to ``dest``
+    (``python -m carpool.twin serving-profile``, done here on the calibration config's own
+    deployment, before any measured phase)."""
+    from carpool.twin.profile import load_profile, save_profile
+    from carpool.twin.serving import retime_profile
+
+    started = time.monotonic()
+    command = (
+        f"python -m carpool.twin serving-profile --profile {base} --url {url} "
+        f"--models embedder --out {dest}"
+    )
+    log = lambda m: print(f"serving profile: {m}", file=sys.stderr, flush=True)  # noqa: E731
+    save_profile(retime_profile(load_profile(base), url, ["embedder"], command, log=log), dest)
+    return {"from": base, "out": dest, "url": url, "seconds": round(time.monotonic() - started, 1)}
+
+
+async def _embed_phases(
+    cluster: ServeCluster,
+    system: Any,
+    workload: Workload,
+    args: Any,
+    serving_profile: tuple[str, str] | None = None,
+) -> dict:
     from benchmarks.loadgen import LoadGenerator
     from benchmarks.runner import Bench
 
@@ -240,6 +265,11 @@ async def _embed_phases(cluster: ServeCluster, system: Any, workload: Workload, 
         await gen.wait_ready(system.target.ready_path, timeout_s=300)
         warm = ArrivalSpec(kind="closed", concurrency=4, duration_s=5)
         await bench.run(system, workload, warm)
+        if serving_profile is not None:  # the passes priced as this replica runs them
+            base, dest = serving_profile
+            out["serving_profile"] = await asyncio.to_thread(
+                _retime, base, dest, cluster.base_url + system.target.prefix
+            )
         calib = ArrivalSpec(kind="closed", concurrency=1, duration_s=args.calibrate_s)
         idle = _cpu_snapshot(session)
         await asyncio.sleep(3)  # the cluster idle: what it burns with no requests
@@ -286,7 +316,15 @@ def measure_embed(args: Any) -> dict[str, Any]:
             try:
                 results[name] = {
                     "knobs": knobs,
-                    **asyncio.run(_embed_phases(cluster, system, workload, args)),
+                    **asyncio.run(
+                        _embed_phases(
+                            cluster,
+                            system,
+                            workload,
+                            args,
+                            args.serving_profile if name == CALIBRATION_CONFIG else None,
+                        )
+                    ),
                 }
             except Exception as exc:  # one configuration's failure must not lose the others
                 results[name] = {"knobs": knobs, "error": repr(exc)}
@@ -526,6 +564,13 @@ def main(argv: list[str] | None = None) -> int:
     m.add_argument("--duration", type=float, default=40.0)
     m.add_argument("--calibrate-s", type=float, default=15.0)
     m.add_argument("--port", type=int, default=8163)
+    m.add_argument(
+        "--serving-profile",
+        nargs=2,
+        metavar=("PROFILE", "OUT"),
+        help="re-time PROFILE's embedder passes in the calibration config's replica "
+        "(before its phases) and write the result to OUT",
+    )
     m.add_argument("--harness-session", action="store_true",
                    help="start Ray in this process's session (runs 1-6), not its own")  # fmt: skip
     r = sub.add_parser("report", help="the twin beside a measurement: TWIN.md and twin.json")

@@ -276,6 +276,17 @@ def parser() -> argparse.ArgumentParser:
         help="CPU: re-time a point while other processes use more cores than this",
     )
     m.add_argument("--quick", action="store_true", help="coarse grids (smoke tests)")
+    s = sub.add_parser(
+        "serving-profile",
+        help="re-time a profile's embedder passes in a running carpool replica (its HTTP route)",
+    )
+    s.add_argument("--profile", required=True, help="the profile to start from (its grid)")
+    s.add_argument(
+        "--url", required=True, help="the embed pipeline's base, e.g. http://127.0.0.1:8000/embed"
+    )
+    s.add_argument("--models", default="embedder", help="comma-separated roles to re-time")
+    s.add_argument("--min-time-s", type=float, default=1.0, help="time spent per point")
+    s.add_argument("--out", required=True, help="the profile file to write")
     c = sub.add_parser("check", help="validate profile files")
     c.add_argument("paths", nargs="+")
     return p
@@ -291,4 +302,25 @@ def main(argv: list[str] | None = None) -> int:
             for entry in profile["models"]:
                 print("  " + summary(entry))
         return 0
+    if args.command == "serving-profile":
+        return serving_profile_command(args, argv)
     return profile_command(args, argv)
+
+
+def serving_profile_command(args: argparse.Namespace, argv: list[str]) -> int:
+    from carpool.twin.serving import retime_profile
+
+    def log(message: str) -> None:
+        print(f"[{time.strftime('%H:%M:%S')}] {message}", file=sys.stderr, flush=True)
+
+    profile = retime_profile(
+        load_profile(args.profile),
+        args.url,
+        _list(args.models),
+        "python -m carpool.twin " + shlex.join(argv),
+        args.min_time_s,
+        log=log,
+    )
+    save_profile(profile, args.out)
+    log(f"wrote {args.out}")
+    return 0

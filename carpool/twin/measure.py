@@ -297,7 +297,7 @@ def _series(
     return done, skipped
 
 
-def _section(
+def fit_section(
     points: list[dict[str, Any]], line_on: str, extended: dict[str, Sequence[str]]
 ) -> dict[str, Any]:
     fits = {"line": fit_line(points, line_on)}
@@ -323,7 +323,7 @@ def measure_encoder(model: Any, spec: ModelSpec, opts: MeasureOptions) -> dict[s
     done, skipped = _series(
         points, lambda p: encoder_pass(model, spec.kind, opts.device, p["rows"], p["length"]), opts
     )
-    section = _section(
+    section = fit_section(
         done,
         "padded_tokens",
         {
@@ -387,9 +387,11 @@ def measure_generator(model: Any, spec: ModelSpec, opts: MeasureOptions) -> dict
         decode_skipped += skipped_d
         cache.release()
     layers, kv_heads, head_dim = kv_geometry(model.config)
-    prefill_section = _section(one + many, "tokens", {"attention": ("tokens", "rows", "attention")})
+    prefill_section = fit_section(
+        one + many, "tokens", {"attention": ("tokens", "rows", "attention")}
+    )
     prefill_section["skipped"] = skipped + skipped_many
-    decode_section = _section(decode_done, "batch", {"context": ("batch", "kv_tokens")})
+    decode_section = fit_section(decode_done, "batch", {"context": ("batch", "kv_tokens")})
     decode_section["skipped"] = decode_skipped
     return {
         "kv_bytes_per_token": int(cache.bytes_per_token),

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 from pathlib import Path
 
 import pytest
@@ -441,12 +442,27 @@ def test_carpool_layouts_change_only_their_thread_knobs() -> None:
         "carpool-direct",
         "carpool-ingress",
         "carpool-harness-session",
+        "carpool-haproxy",
     }
+    # Variants in how Ray starts are serve.yaml itself, with Ray's environment changed.
+    assert set(peers.CARPOOL_RAY_ENV) <= set(peers.CARPOOL_LAYOUTS)
+    assert peers.CARPOOL_LAYOUTS["carpool-haproxy"] is None
+    assert peers.CARPOOL_RAY_ENV["carpool-haproxy"] == {"RAY_SERVE_ENABLE_HA_PROXY": "1"}
     # Every carpool system but one runs its Ray in a session of its own, as the peers do.
     assert {"carpool-harness-session"} == peers.HARNESS_SESSION
     assert peers.CARPOOL_LAYOUTS["carpool-harness-session"] is None
     with pytest.raises(KeyError, match="no application 'nope'"):
         peers.app_entry(shipped, "nope")
+
+
+def test_ray_env_is_set_only_inside_the_block(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("CARPOOL_TEST_KEPT", "before")
+    monkeypatch.delenv("CARPOOL_TEST_NEW", raising=False)
+    with peers.environ({"CARPOOL_TEST_KEPT": "inside", "CARPOOL_TEST_NEW": "1"}):
+        assert os.environ["CARPOOL_TEST_KEPT"] == "inside"
+        assert os.environ["CARPOOL_TEST_NEW"] == "1"
+    assert os.environ["CARPOOL_TEST_KEPT"] == "before"
+    assert "CARPOOL_TEST_NEW" not in os.environ
 
 
 def test_a_mixed_visit_loads_both_servers_at_once() -> None:

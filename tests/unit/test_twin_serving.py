@@ -1,0 +1,187 @@
+"""Re-timing a profile's embedder passes through a serving replica (carpool.twin.serving),
+against a fake embed pipeline that runs passes at a known price and keeps /v1/stats as the
+replica does (means and counts)."""
+
+from __future__ import annotations
+
+import json
+import math
+from typing import Any
+
+import httpx
+import pytest
+
+from carpool.twin.profile import ProfileError, validate_profile
+from carpool.twin.serving import retime_profile, token_rows
+
+
+def quiet_ms(rows: int, length: int) -> float:
+    return 2.0 + 0.05 * rows * length
+
+
+class FakeEmbedPipeline:
+    """Answers /embed/v1/embeddings with passes of at most ``cap`` padded tokens, each costing
+    ``1.3 x quiet + 4 ms``, and /embed/v1/stats with the replica's running means."""
+
+    def __init__(self, cap: int = 10_000, stats_keys: bool = True) -> None:
+        self.cap, self.stats_keys = cap, stats_keys
+        self.passes = 0
+        self.padded = 0
+        self.forward_ms = 0.0
+        self.bodies: list[Any] = []
+
+    def handler(self, request: httpx.Request) -> httpx.Response:
+        if request.url.path == "/embed/v1/stats":
+            if not self.stats_keys:
+                return httpx.Response(200, json={"passes": self.passes})
+            mean = self.forward_ms / self.passes if self.passes else 0.0
+            return httpx.Response(
+                200,
+                json={
+                    "forward_passes": self.passes,
+                    "padded_tokens": self.padded,
+                    "mean_forward_ms": mean,
+                },
+            )
+        assert request.url.path == "/embed/v1/embeddings"
+        inputs = json.loads(request.content)["input"]
+        self.bodies.append(inputs)
+        length = max(len(ids) for ids in inputs)
+        per_pass = max(1, self.cap // length)
+        for start in range(0, len(inputs), per_pass):
+            rows = len(inputs[start : start + per_pass])
+            self.passes += 1
+            self.padded += rows * length
+            self.forward_ms += 1.3 * quiet_ms(rows, length) + 4.0
+        return httpx.Response(200, json={"data": []})
+
+
+def _profile() -> dict[str, Any]:
+    grid = [(1, 16), (4, 64), (16, 128), (64, 64)]
+    points = [
+        {
+            "rows": r,
+            "length": n,
+            "padded_tokens": r * n,
+            "attention": r * n * n,
+            "ms": quiet_ms(r, n),
+        }
+        for r, n in grid
+    ]
+    fit = {"coef": {"const": 2.0, "padded_tokens": 0.05}, "rel_rmse": 0.0}
+    encoder = {
+        "role": "embedder",
+        "name": "bge",
+        "kind": "encoder",
+        "device": "cpu",
+        "dtype": "float32",
+        "threads": 1,
+        "source": "measured",
+        "command": "python -m carpool.twin profile",
+        "measured_at": "2026-11-26T00:00:00+00:00",
+        "pass": {"points": points, "fits": {"line": fit}, "use": "line"},
+    }
+    generator = {
+        "role": "small",
+        "name": "smollm",
+        "kind": "generator",
+        "device": "cpu",
+        "dtype": "float32",
+        "threads": 1,
+        "source": "measured",
+        "command": "python -m carpool.twin profile",
+        "measured_at": "2026-11-26T00:00:00+00:00",
+        "kv_bytes_per_token": 1024,
+        "prefill": {
+            "points": [],
+            "fits": {"line": {"coef": {"const": 1, "tokens": 0.1}}},
+            "use": "line",
+        },
+        "decode": {
+            "points": [],
+            "fits": {"line": {"coef": {"const": 1, "batch": 0.1}}},
+            "use": "line",
+        },
+    }
+    return {
+        "schema_version": 1,
+        "kind": "carpool-cost-profile",
+        "name": "cpu-test",
+        "created": "2026-11-26T00:00:00+00:00",
+        "hardware": {},
+        "software": {},
+        "models": [encoder, generator],
+    }
+
+
+def test_token_rows_have_the_exact_shape() -> None:
+    rows = token_rows(3, 17)
+    assert [len(r) for r in rows] == [17, 17, 17]
+    assert len({tuple(r) for r in rows}) == 3
+
+
+def test_passes_are_priced_at_what_the_replica_ran() -> None:
+    fake = FakeEmbedPipeline(cap=2048)  # splits the 64 x 64 request into two passes
+    out = retime_profile(
+        _profile(),
+        "http://x/embed",
+        ["embedder"],
+        "python -m carpool.twin serving-profile ...",
+        min_time_s=0.0,
+        transport=httpx.MockTransport(fake.handler),
+    )
+    validate_profile(out)
+    entry = out["models"][0]
+    by_shape = {(p["length"], p["padded_tokens"]): p for p in entry["pass"]["points"]}
+    for r, n in [(1, 16), (4, 64), (16, 128)]:
+        point = by_shape[(n, r * n)]
+        assert point["ms"] == pytest.approx(1.3 * quiet_ms(r, n) + 4.0, rel=1e-3)
+        assert point["quiet_ms"] == pytest.approx(quiet_ms(r, n))
+    # The replica split 64 rows of 64 into passes of 32: the point is the pass it ran.
+    split = by_shape[(64, 32 * 64)]
+    assert split["rows"] == 32 and split["passes"] == 2 * split["requests"]
+    assert split["ms"] == pytest.approx(1.3 * quiet_ms(32, 64) + 4.0, rel=1e-3)
+    # The line is refitted on the serving points; the quiet ones are kept beside them.
+    assert entry["pass"]["fits"]["line"]["coef"]["padded_tokens"] == pytest.approx(0.065, rel=0.01)
+    assert [p["ms"] for p in entry["pass"]["quiet_points"]] == [
+        quiet_ms(r, n) for r, n in [(1, 16), (4, 64), (16, 128), (64, 64)]
+    ]
+    assert entry["serving"]["url"] == "http://x/embed"
+    assert entry["command"].startswith("python -m carpool.twin serving-profile")
+    # The generator entry is left as it was, and every request was one shape of the grid.
+    assert out["models"][1] == _profile()["models"][1]
+    assert all(len({len(ids) for ids in body}) == 1 for body in fake.bodies)
+
+
+def test_repeats_follow_the_time_asked_for() -> None:
+    fake = FakeEmbedPipeline()
+    retime_profile(
+        _profile(),
+        "http://x/embed",
+        ["embedder"],
+        "cmd",
+        min_time_s=0.1,
+        transport=httpx.MockTransport(fake.handler),
+    )
+    sent = [(len(b), len(b[0])) for b in fake.bodies[1:]]  # the first is the warm-up
+    for r, n in [(1, 16), (4, 64), (16, 128), (64, 64)]:
+        expected = max(2, min(20, math.ceil(100 / quiet_ms(r, n))))
+        assert sent.count((r, n)) == expected
+
+
+def test_refusals_name_what_to_change() -> None:
+    fake = FakeEmbedPipeline()
+    transport = httpx.MockTransport(fake.handler)
+    with pytest.raises(ProfileError, match="only embedders"):
+        retime_profile(_profile(), "http://x/embed", ["small"], "cmd", transport=transport)
+    with pytest.raises(ProfileError, match=r"roles \['ranker'\] not in the profile"):
+        retime_profile(_profile(), "http://x/embed", ["ranker"], "cmd", transport=transport)
+    bare = FakeEmbedPipeline(stats_keys=False)
+    with pytest.raises(ProfileError, match="point --url at a carpool embed pipeline"):
+        retime_profile(
+            _profile(),
+            "http://x/embed",
+            ["embedder"],
+            "cmd",
+            transport=httpx.MockTransport(bare.handler),
+        )
