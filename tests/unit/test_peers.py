@@ -443,10 +443,12 @@ def test_carpool_layouts_change_only_their_thread_knobs() -> None:
         "carpool-ingress",
         "carpool-harness-session",
         "carpool-haproxy",
+        "carpool-throughput",
     }
     # Variants in how Ray starts are serve.yaml itself, with Ray's environment changed.
     assert set(peers.CARPOOL_RAY_ENV) <= set(peers.CARPOOL_LAYOUTS)
     assert peers.CARPOOL_LAYOUTS["carpool-haproxy"] is None
+    assert peers.CARPOOL_LAYOUTS["carpool-throughput"] is None
     assert peers.CARPOOL_RAY_ENV["carpool-haproxy"] == {"RAY_SERVE_ENABLE_HA_PROXY": "1"}
     # Every carpool system but one runs its Ray in a session of its own, as the peers do.
     assert {"carpool-harness-session"} == peers.HARNESS_SESSION
