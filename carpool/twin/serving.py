@@ -94,11 +94,15 @@ def time_point(
         return None
     padded = (t1 - t0) / passes
     per_pass_rows = rows * repeats / passes
+    # What the replica ran: a replica cuts inputs to its model's max_length (a 512-id input
+    # reaches a 256-position model as 256), and splits a request it will not run whole.
+    ran_length = padded / per_pass_rows
     return {
         "rows": round(per_pass_rows, 2),
-        "length": length,
+        "length": round(ran_length, 1),
+        "sent_length": length,
         "padded_tokens": round(padded, 1),
-        "attention": round(padded * length, 1),
+        "attention": round(padded * ran_length, 1),
         "ms": round((ms1 - ms0) / passes, 3),
         "requests": repeats,
         "passes": int(passes),

@@ -23,8 +23,8 @@ class FakeEmbedPipeline:
     """Answers /embed/v1/embeddings with passes of at most ``cap`` padded tokens, each costing
     ``1.3 x quiet + 4 ms``, and /embed/v1/stats with the replica's running means."""
 
-    def __init__(self, cap: int = 10_000, stats_keys: bool = True) -> None:
-        self.cap, self.stats_keys = cap, stats_keys
+    def __init__(self, cap: int = 10_000, stats_keys: bool = True, max_length: int = 512) -> None:
+        self.cap, self.stats_keys, self.max_length = cap, stats_keys, max_length
         self.passes = 0
         self.padded = 0
         self.forward_ms = 0.0
@@ -46,7 +46,7 @@ class FakeEmbedPipeline:
         assert request.url.path == "/embed/v1/embeddings"
         inputs = json.loads(request.content)["input"]
         self.bodies.append(inputs)
-        length = max(len(ids) for ids in inputs)
+        length = min(self.max_length, max(len(ids) for ids in inputs))
         per_pass = max(1, self.cap // length)
         for start in range(0, len(inputs), per_pass):
             rows = len(inputs[start : start + per_pass])
@@ -121,7 +121,8 @@ def test_token_rows_have_the_exact_shape() -> None:
 
 
 def test_passes_are_priced_at_what_the_replica_ran() -> None:
-    fake = FakeEmbedPipeline(cap=2048)  # splits the 64 x 64 request into two passes
+    # Splits the 64 x 64 request into two passes, and cuts the 128-id inputs to 100.
+    fake = FakeEmbedPipeline(cap=2048, max_length=100)
     out = retime_profile(
         _profile(),
         "http://x/embed",
@@ -133,10 +134,15 @@ def test_passes_are_priced_at_what_the_replica_ran() -> None:
     validate_profile(out)
     entry = out["models"][0]
     by_shape = {(p["length"], p["padded_tokens"]): p for p in entry["pass"]["points"]}
-    for r, n in [(1, 16), (4, 64), (16, 128)]:
+    for r, n in [(1, 16), (4, 64)]:
         point = by_shape[(n, r * n)]
         assert point["ms"] == pytest.approx(1.3 * quiet_ms(r, n) + 4.0, rel=1e-3)
         assert point["quiet_ms"] == pytest.approx(quiet_ms(r, n))
+    # 16 inputs of 128 ids ran as 16 x 100: the point is the pass the replica ran.
+    cut = by_shape[(100, 1600)]
+    assert cut["sent_length"] == 128 and cut["rows"] == 16
+    assert cut["attention"] == 1600 * 100
+    assert cut["ms"] == pytest.approx(1.3 * quiet_ms(16, 100) + 4.0, rel=1e-3)
     # The replica split 64 rows of 64 into passes of 32: the point is the pass it ran.
     split = by_shape[(64, 32 * 64)]
     assert split["rows"] == 32 and split["passes"] == 2 * split["requests"]
