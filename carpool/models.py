@@ -524,3 +524,13 @@ def trim_heap() -> bool:
         return False
     _LIBC.malloc_trim(0)
     return True
+
+
+def sentence_transformers_max_length(folder: str) -> int | None:
+    """A sentence-transformers model's own input limit (``max_seq_length``), or None."""
+    path = os.path.join(folder, "sentence_bert_config.json")
+    if os.path.isfile(path):
+        with open(path) as fh:
+            value = json.load(fh).get("max_seq_length")
+        return int(value) if value else None
+    return None

@@ -10,8 +10,6 @@ passes. ``EmbeddingDeployment`` only adds ``@serve.batch`` collection and Ray me
 from __future__ import annotations
 
 import asyncio
-import json
-import os
 import threading
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -26,7 +24,12 @@ from carpool.admission import RequestControls
 from carpool.config import BatchingConfig, ModelSourceConfig, ReplicaConfig, StrictModel
 from carpool.devices import place_replica
 from carpool.errors import RequestError
-from carpool.models import load_pretrained, resolve_pooling, threaded_forward
+from carpool.models import (
+    load_pretrained,
+    resolve_pooling,
+    sentence_transformers_max_length,
+    threaded_forward,
+)
 from carpool.server import BatchedModelServer
 from carpool.serving import ServeBatching, make_collector
 
@@ -75,15 +78,6 @@ FOREIGN_IDS_HINT = (
 )
 
 
-def _sentence_transformers_max_length(folder: str) -> int | None:
-    path = os.path.join(folder, "sentence_bert_config.json")
-    if os.path.isfile(path):
-        with open(path) as fh:
-            value = json.load(fh).get("max_seq_length")
-        return int(value) if value else None
-    return None
-
-
 class TextEmbedder:
     """A transformers encoder with pooling; pads each pass to its longest item."""
 
@@ -97,7 +91,7 @@ class TextEmbedder:
         loaded = load_pretrained(src.model, AutoModel, src.device, src.dtype, model, tokenizer)
         self.device, self.tokenizer, self.model = loaded.device, loaded.tokenizer, loaded.model
         tokenizer = loaded.tokenizer
-        st_max = _sentence_transformers_max_length(loaded.path) if loaded.path else None
+        st_max = sentence_transformers_max_length(loaded.path) if loaded.path else None
         limits = [
             config.source.max_length,
             st_max,

@@ -16,6 +16,7 @@ one point takes longer than ``max_point_s``: the budget goes where passes are sh
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import statistics
 import time
@@ -418,9 +419,15 @@ def measure_model(spec: ModelSpec, opts: MeasureOptions) -> dict[str, Any]:
 
     import torch
 
-    from carpool.models import pick_dtype
+    from carpool.models import pick_dtype, sentence_transformers_max_length
 
     folder = locate(spec.source, opts.models_dir)
+    if spec.kind == "encoder" and spec.max_length is None:
+        # The embedder replica takes a sentence-transformers model's own max_seq_length (256
+        # for all-MiniLM-L6-v2, against 512 positions): a longer point is a shape it never runs.
+        st_max = sentence_transformers_max_length(folder)
+        if st_max:
+            spec = dataclasses.replace(spec, max_length=st_max)
     dtype = pick_dtype(opts.dtype, opts.device)
     started = time.perf_counter()
     model = build_model(folder, spec.kind, opts.device, dtype, opts.random_weights)

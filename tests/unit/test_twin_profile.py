@@ -173,6 +173,8 @@ def test_tiny_models_profiled_end_to_end_without_ray(tmp_path: Path) -> None:
     for name, values in TINY_CONFIGS.items():
         (tmp_path / name).mkdir()
         (tmp_path / name / "config.json").write_text(json.dumps(values))
+    # The embedder replica takes a sentence-transformers model's own limit: so does its grid.
+    (tmp_path / "enc" / "sentence_bert_config.json").write_text('{"max_seq_length": 8}')
     config = tmp_path / "serve.yaml"
     config.write_text(
         f"""
@@ -214,6 +216,9 @@ applications:
         # Timings on a loaded CPU: the fit may come out flat, never decreasing or negative.
         assert 0 < small <= big
         assert section["points"][-1]["padded_tokens"] > 10 * section["points"][0]["padded_tokens"]
+    embedder = find_entry(profile, "embedder")
+    assert embedder["limits"]["max_length"] == 8
+    assert {p["length"] for p in embedder["pass"]["points"]} == {8}
     gen = find_entry(profile, "small")
     # 2 layers x 2 KV heads x head dim 64 x (K and V) x 4 bytes
     assert gen["kv_bytes_per_token"] == 2 * 2 * 64 * 2 * 4
