@@ -56,6 +56,21 @@ class FakeEmbedPipeline:
         return httpx.Response(200, json={"data": []})
 
 
+def _measured(role: str, name: str, kind: str) -> dict[str, Any]:
+    """A profile entry's identity and provenance, without its cost sections."""
+    return {
+        "role": role,
+        "name": name,
+        "kind": kind,
+        "device": "cpu",
+        "dtype": "float32",
+        "threads": 1,
+        "source": "measured",
+        "command": "python -m carpool.twin profile",
+        "measured_at": "2026-11-26T00:00:00+00:00",
+    }
+
+
 def _profile() -> dict[str, Any]:
     grid = [(1, 16), (4, 64), (16, 128), (64, 64)]
     points = [
@@ -69,40 +84,13 @@ def _profile() -> dict[str, Any]:
         for r, n in grid
     ]
     fit = {"coef": {"const": 2.0, "padded_tokens": 0.05}, "rel_rmse": 0.0}
-    encoder = {
-        "role": "embedder",
-        "name": "bge",
-        "kind": "encoder",
-        "device": "cpu",
-        "dtype": "float32",
-        "threads": 1,
-        "source": "measured",
-        "command": "python -m carpool.twin profile",
-        "measured_at": "2026-11-26T00:00:00+00:00",
-        "pass": {"points": points, "fits": {"line": fit}, "use": "line"},
-    }
-    generator = {
-        "role": "small",
-        "name": "smollm",
-        "kind": "generator",
-        "device": "cpu",
-        "dtype": "float32",
-        "threads": 1,
-        "source": "measured",
-        "command": "python -m carpool.twin profile",
-        "measured_at": "2026-11-26T00:00:00+00:00",
-        "kv_bytes_per_token": 1024,
-        "prefill": {
-            "points": [],
-            "fits": {"line": {"coef": {"const": 1, "tokens": 0.1}}},
-            "use": "line",
-        },
-        "decode": {
-            "points": [],
-            "fits": {"line": {"coef": {"const": 1, "batch": 0.1}}},
-            "use": "line",
-        },
-    }
+    encoder = _measured("embedder", "bge", "encoder")
+    encoder["pass"] = {"points": points, "fits": {"line": fit}, "use": "line"}
+    generator = _measured("small", "smollm", "generator")
+    generator["kv_bytes_per_token"] = 1024
+    for section, feature in (("prefill", "tokens"), ("decode", "batch")):
+        line = {"coef": {"const": 1, feature: 0.1}}
+        generator[section] = {"points": [], "fits": {"line": line}, "use": "line"}
     return {
         "schema_version": 1,
         "kind": "carpool-cost-profile",
@@ -114,6 +102,18 @@ def _profile() -> dict[str, Any]:
     }
 
 
+def _retime(fake: FakeEmbedPipeline, min_time_s: float = 1.0, command: str = "cmd") -> dict:
+    """The test profile's embedder re-timed against ``fake``."""
+    return retime_profile(
+        _profile(),
+        "http://x/embed",
+        ["embedder"],
+        command,
+        min_time_s=min_time_s,
+        transport=httpx.MockTransport(fake.handler),
+    )
+
+
 def test_token_rows_have_the_exact_shape() -> None:
     rows = token_rows(3, 17)
     assert [len(r) for r in rows] == [17, 17, 17]
@@ -123,14 +123,7 @@ def test_token_rows_have_the_exact_shape() -> None:
 def test_passes_are_priced_at_what_the_replica_ran() -> None:
     # Splits the 64 x 64 request into two passes, and cuts the 128-id inputs to 100.
     fake = FakeEmbedPipeline(cap=2048, max_length=100)
-    out = retime_profile(
-        _profile(),
-        "http://x/embed",
-        ["embedder"],
-        "python -m carpool.twin serving-profile ...",
-        min_time_s=0.0,
-        transport=httpx.MockTransport(fake.handler),
-    )
+    out = _retime(fake, min_time_s=0.0, command="python -m carpool.twin serving-profile ...")
     validate_profile(out)
     entry = out["models"][0]
     by_shape = {(p["length"], p["padded_tokens"]): p for p in entry["pass"]["points"]}
@@ -161,14 +154,7 @@ def test_passes_are_priced_at_what_the_replica_ran() -> None:
 
 def test_repeats_follow_the_time_asked_for() -> None:
     fake = FakeEmbedPipeline()
-    retime_profile(
-        _profile(),
-        "http://x/embed",
-        ["embedder"],
-        "cmd",
-        min_time_s=0.1,
-        transport=httpx.MockTransport(fake.handler),
-    )
+    _retime(fake, min_time_s=0.1)
     sent = [(len(b), len(b[0])) for b in fake.bodies[1:]]  # the first is the warm-up
     for r, n in [(1, 16), (4, 64), (16, 128), (64, 64)]:
         expected = max(2, min(20, math.ceil(100 / quiet_ms(r, n))))
@@ -182,12 +168,5 @@ def test_refusals_name_what_to_change() -> None:
         retime_profile(_profile(), "http://x/embed", ["small"], "cmd", transport=transport)
     with pytest.raises(ProfileError, match=r"roles \['ranker'\] not in the profile"):
         retime_profile(_profile(), "http://x/embed", ["ranker"], "cmd", transport=transport)
-    bare = FakeEmbedPipeline(stats_keys=False)
     with pytest.raises(ProfileError, match="point --url at a carpool embed pipeline"):
-        retime_profile(
-            _profile(),
-            "http://x/embed",
-            ["embedder"],
-            "cmd",
-            transport=httpx.MockTransport(bare.handler),
-        )
+        _retime(FakeEmbedPipeline(stats_keys=False))
