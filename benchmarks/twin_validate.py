@@ -232,19 +232,15 @@ async def _timed(
 
 
 def _retime(base: str, dest: str, url: str) -> dict[str, Any]:
-    """``base``'s embedder passes re-timed in the deployed replica at ``url``, saved to ``dest``
-    (``python -m carpool.twin serving-profile``, done here on the calibration config's own
-    deployment, before any measured phase)."""
-    from carpool.twin.profile import load_profile, save_profile
-    from carpool.twin.serving import retime_profile
+    """``base``'s embedder passes re-timed in the deployed replica at ``url``, saved to ``dest``:
+    ``python -m carpool.twin serving-profile``, run here on the calibration config's own
+    deployment, before any measured phase."""
+    from carpool.twin.cli import main as twin_main
 
     started = time.monotonic()
-    command = (
-        f"python -m carpool.twin serving-profile --profile {base} --url {url} "
-        f"--models embedder --out {dest}"
-    )
-    log = lambda m: print(f"serving profile: {m}", file=sys.stderr, flush=True)  # noqa: E731
-    save_profile(retime_profile(load_profile(base), url, ["embedder"], command, log=log), dest)
+    argv = ["serving-profile", "--profile", base, "--url", url, "--models", "embedder"]
+    if twin_main([*argv, "--out", dest]) != 0:
+        raise RuntimeError(f"python -m carpool.twin {' '.join(argv)} failed")
     return {"from": base, "out": dest, "url": url, "seconds": round(time.monotonic() - started, 1)}
 
 

@@ -298,7 +298,7 @@ def _series(
     return done, skipped
 
 
-def fit_section(
+def _section(
     points: list[dict[str, Any]], line_on: str, extended: dict[str, Sequence[str]]
 ) -> dict[str, Any]:
     fits = {"line": fit_line(points, line_on)}
@@ -306,6 +306,19 @@ def fit_section(
         if len(points) > len(features) + 1:
             fits[name] = fit_terms(points, features)
     return {"points": points, "fits": fits, "use": choose_fit(fits)}
+
+
+def fit_encoder_section(points: list[dict[str, Any]]) -> dict[str, Any]:
+    """An encoder's ``pass`` section: a line in padded tokens, and fits adding rows and
+    attention (rows x length squared) that replace it only where they earn their place."""
+    return _section(
+        points,
+        "padded_tokens",
+        {
+            "rows": ("padded_tokens", "rows"),
+            "attention": ("padded_tokens", "rows", "attention"),
+        },
+    )
 
 
 def measure_encoder(model: Any, spec: ModelSpec, opts: MeasureOptions) -> dict[str, Any]:
@@ -324,14 +337,7 @@ def measure_encoder(model: Any, spec: ModelSpec, opts: MeasureOptions) -> dict[s
     done, skipped = _series(
         points, lambda p: encoder_pass(model, spec.kind, opts.device, p["rows"], p["length"]), opts
     )
-    section = fit_section(
-        done,
-        "padded_tokens",
-        {
-            "rows": ("padded_tokens", "rows"),
-            "attention": ("padded_tokens", "rows", "attention"),
-        },
-    )
+    section = fit_encoder_section(done)
     section["skipped"] = skipped
     return {"pass": section}
 
@@ -388,11 +394,11 @@ def measure_generator(model: Any, spec: ModelSpec, opts: MeasureOptions) -> dict
         decode_skipped += skipped_d
         cache.release()
     layers, kv_heads, head_dim = kv_geometry(model.config)
-    prefill_section = fit_section(
+    prefill_section = _section(
         one + many, "tokens", {"attention": ("tokens", "rows", "attention")}
     )
     prefill_section["skipped"] = skipped + skipped_many
-    decode_section = fit_section(decode_done, "batch", {"context": ("batch", "kv_tokens")})
+    decode_section = _section(decode_done, "batch", {"context": ("batch", "kv_tokens")})
     decode_section["skipped"] = decode_skipped
     return {
         "kv_bytes_per_token": int(cache.bytes_per_token),

@@ -25,7 +25,7 @@ from typing import Any
 
 import httpx
 
-from carpool.twin.measure import fit_section
+from carpool.twin.measure import fit_encoder_section
 from carpool.twin.profile import ProfileError
 
 # The profile's quiet points stay in the entry under this key, for provenance and comparison.
@@ -150,11 +150,7 @@ def retime_entry(
     if len(points) < 2:
         raise ProfileError(f"{entry.get('role')}: fewer than 2 points measured through {url}")
     points.sort(key=lambda p: p["padded_tokens"])
-    section = fit_section(
-        points,
-        "padded_tokens",
-        {"rows": ("padded_tokens", "rows"), "attention": ("padded_tokens", "rows", "attention")},
-    )
+    section = fit_encoder_section(points)
     section[QUIET_KEY] = quiet
     out = copy.deepcopy(dict(entry))
     out["pass"] = section
