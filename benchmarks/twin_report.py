@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from benchmarks.twin_validate import (
+    GEN_CALIB_LOADED_CLIENTS,
     ROOT,
     SEED,
     embed_requests,
@@ -63,6 +64,28 @@ def embed_pass_scale(
     return serving_pass_scale(spec, "embedder", reqs, cal["ok"], forward_ms)
 
 
+def loaded_pass_scale(
+    profile: dict, base: dict, reqs: list[SimRequest], overheads: Overheads, scale: float
+) -> float | None:
+    """What a pass costs under load, from the default's 8-client calibration run (not a
+    validated figure): the replica's own ms per padded token there (``/v1/stats``) over what
+    the twin, with ``scale``, charges per padded token for its passes of the same load. The
+    1-client run cannot show it: its passes run while the rest of the serving path waits for
+    them, and under load they share the host with it (run 9: 7-27% dearer per padded token
+    in every loaded phase than the 1-client passes of the same replica). None without it."""
+    cal = base.get("closed_8") or {}
+    rep = cal.get("replica") or {}
+    if not rep.get("padded_tokens") or not rep.get("forward_ms"):
+        return None
+    twin = embed_spec(profile, {}, overheads, scale).build()
+    twin.run(clients=8, requests=reqs, duration_s=cal["span_s"], warmup_s=0)
+    stats = twin.pools["embedder"].replicas[0].server.executor.stats  # type: ignore[union-attr]
+    if not stats.padded_tokens or not stats.forward_ms:
+        return None
+    measured = rep["forward_ms"] / rep["padded_tokens"]
+    return scale * measured / (stats.forward_ms / stats.padded_tokens)
+
+
 def host_cpu(
     profile: dict, base: dict, reqs: list[SimRequest], pass_scale: float = 1.0
 ) -> dict[str, float]:
@@ -91,6 +114,7 @@ def predict_embed(
     host: bool = True,
     scale_passes: bool = False,
     scale_each: bool = False,
+    loaded: bool = True,
 ) -> dict:
     """The twin on each configuration's requests and arrivals. Fitted on the default's
     calibration runs only (none of them a validated figure): what serving adds to each pass
@@ -112,6 +136,9 @@ def predict_embed(
             cpu_ms_per_request=cpu["cpu_ms_per_request"],
             background_cores=cpu["background_cores"],
         )
+    if loaded and (under_load := loaded_pass_scale(profile, base, reqs, overheads, scale)):
+        scale = under_load
+        out["loaded_pass_scale"] = round(scale, 4)
     bare = (
         embed_spec(profile, {}, overheads, scale)
         .build()
@@ -147,15 +174,23 @@ def _mean_ms(result: SimResult) -> float:
 
 
 def gen_spec(
-    profile: dict, knobs: dict[str, Any], step_ms: float = 0.0, fixed_ms: float = 0.0
+    profile: dict,
+    knobs: dict[str, Any],
+    step_ms: float = 0.0,
+    fixed_ms: float = 0.0,
+    seq_ms: float = 0.0,
+    variant: tuple[str | None, int | None] = (None, 1),
 ) -> TwinSpec:
+    """serve.yaml's small generator with ``knobs``, priced by the profile's entry of
+    ``variant`` (dtype, torch threads: one thread on this machine, any on a GPU)."""
     spec = TwinSpec.from_serve_config(
-        ROOT / "serve.yaml", profile, {"small": {"user_config": knobs}}, threads=1,
-        roles=("small",),
+        ROOT / "serve.yaml", profile, {"small": {"user_config": knobs}}, dtype=variant[0],
+        threads=variant[1], roles=("small",),
     )  # fmt: skip
     pool = spec.pools["small"]
     pool.mode = "continuous"
     pool.step_ms = step_ms
+    pool.seq_ms = seq_ms
     spec.overheads = Overheads(fixed_ms=fixed_ms)
     return spec
 
@@ -170,40 +205,74 @@ def _gen_closed(
                             duration_s=math.inf)  # fmt: skip
 
 
-def predict_generation(profile: dict, measured: dict) -> dict[str, Any]:
-    """Per configuration: two numbers fitted on its 1-client calibration run (the latency to
-    the engine, the work per step outside the passes); then every client count and the
-    trace."""
+def fit_generation(
+    profile: dict,
+    m: dict,
+    tokens: list[int],
+    first: list[int],
+    loaded: bool = True,
+    variant: tuple[str | None, int | None] = (None, 1),
+) -> tuple[float, float, float]:
+    """``(fixed_ms, step_ms, seq_ms)`` of one configuration, fitted on its calibration runs
+    only: the latency from a call to the engine's inbox (``fixed_ms``: the 1-client run's
+    median first token beyond the twin's) and the engine's work outside the passes, per step
+    (``step_ms``) and, with ``loaded``, per sequence in a step (``seq_ms``: sampling, text,
+    the event to its stream). The two overheads make the twin's wall time match both the
+    1-client run and the 8-client one (the one calibration point whose steps hold several
+    sequences), solved by Newton steps on the two wall times; without the 8-client run
+    ``step_ms`` alone matches the 1-client run. The passes cost what the profile says."""
+    from benchmarks.generation_compare import PROMPTS, workload
+
+    def run(cal: dict, clients: int, fixed: float, step: float, seq: float) -> SimResult:
+        calls = workload(cal["requests"], 32, 32, SEED)
+        prompts = [tokens[i % len(PROMPTS)] for i in range(len(calls))]
+        spec = gen_spec(profile, m["knobs"], step, fixed, seq, variant)
+        return _gen_closed(spec, prompts, calls, clients, first)
+
+    cal = m["calibrate"]
+    cal8 = m.get("calibrate_8") if loaded else None
+    fixed_ms = step_ms = seq_ms = 0.0
+    for _ in range(5):
+        bare = run(cal, 1, fixed_ms, step_ms, seq_ms)
+        fixed_ms = max(0.0, fixed_ms + cal["ttft_p50_ms"] - bare.ttft_p50_ms)
+        w1 = run(cal, 1, fixed_ms, step_ms, seq_ms).window_s
+        if not cal8:
+            step_ms = max(0.0, step_ms + 1000 * (cal["wall_s"] - w1) / max(cal["engine_steps"], 1))
+            continue
+        n8 = GEN_CALIB_LOADED_CLIENTS
+        w8 = run(cal8, n8, fixed_ms, step_ms, seq_ms).window_s
+        # Both wall times are close to linear in the two overheads: a Newton step each round.
+        a = run(cal, 1, fixed_ms, step_ms + 1.0, seq_ms).window_s - w1
+        b = run(cal, 1, fixed_ms, step_ms, seq_ms + 1.0).window_s - w1
+        c = run(cal8, n8, fixed_ms, step_ms + 1.0, seq_ms).window_s - w8
+        d = run(cal8, n8, fixed_ms, step_ms, seq_ms + 1.0).window_s - w8
+        r1, r8 = cal["wall_s"] - w1, cal8["wall_s"] - w8
+        det = a * d - b * c
+        if abs(det) < 1e-12:
+            break
+        step_ms = max(0.0, step_ms + (r1 * d - b * r8) / det)
+        seq_ms = max(0.0, seq_ms + (a * r8 - c * r1) / det)
+    return fixed_ms, step_ms, seq_ms
+
+
+def predict_generation(profile: dict, measured: dict, loaded: bool = True) -> dict[str, Any]:
+    """Per configuration: numbers fitted on its calibration runs (``fit_generation``); then
+    every client count and the trace."""
     from benchmarks.generation_compare import PROMPTS, workload
 
     tokens = measured["prompt_tokens"]
     first = measured.get("first_delta_tokens") or [1] * len(PROMPTS)
+    # This machine's runs: one torch thread, the profile's only dtype; a GPU run says its own.
+    variant = (measured.get("dtype"), measured.get("threads", 1))
     out: dict[str, Any] = {}
     for name, m in measured.items():
         if not isinstance(m, dict) or "knobs" not in m or "calibrate" not in m:
             continue
-        cal = m["calibrate"]
-        calls = workload(cal["requests"], 32, 32, SEED)
-        prompts = [tokens[i % len(PROMPTS)] for i in range(len(calls))]
-        # Two numbers from the 1-client run: the latency from a call to the engine's inbox
-        # (``fixed_ms``: the first token's wait beyond the twin's) and the work per step
-        # beyond the passes (the rest of the wall time, over its steps). Each moves the
-        # other a little: a few rounds settle them.
-        step_ms = fixed_ms = 0.0
-        for _ in range(4):
-            bare = _gen_closed(
-                gen_spec(profile, m["knobs"], step_ms, fixed_ms), prompts, calls, 1, first
-            )
-            fixed_ms = max(0.0, fixed_ms + cal["ttft_p50_ms"] - bare.ttft_p50_ms)
-            bare = _gen_closed(
-                gen_spec(profile, m["knobs"], step_ms, fixed_ms), prompts, calls, 1, first
-            )
-            step_ms = max(
-                0.0, step_ms + 1000 * (cal["wall_s"] - bare.window_s) / max(cal["engine_steps"], 1)
-            )
-        spec = gen_spec(profile, m["knobs"], step_ms, fixed_ms)
+        fixed_ms, step_ms, seq_ms = fit_generation(profile, m, tokens, first, loaded, variant)
+        spec = gen_spec(profile, m["knobs"], step_ms, fixed_ms, seq_ms, variant)
         res: dict[str, Any] = {
             "step_overhead_ms": round(step_ms, 2),
+            "seq_overhead_ms": round(seq_ms, 3),
             "fixed_ms": round(fixed_ms, 2),
         }
         for key, r in m.items():
@@ -253,183 +322,99 @@ def figures(measured: dict, predicted: dict) -> list[dict[str, Any]]:
     return rows
 
 
-def cmd_report(args: Any) -> int:
-    measured = json.loads(Path(args.measured).read_text())
-    profile = load_profile(args.profile)
+def predict_round(profile: dict, rnd: dict, requests: int, args: Any) -> dict[str, Any]:
+    """The twin on one round of a measurement, fitted on that round's calibration runs."""
+    loaded = not args.no_loaded
     predicted: dict[str, Any] = {}
-    if measured.get("embed"):
+    if rnd.get("embed"):
         predicted["embed"] = predict_embed(
             profile,
-            measured["embed"],
-            measured["requests"],
+            rnd["embed"],
+            requests,
             host=not args.no_host,
             scale_passes=args.pass_scale or args.scale_each,
             scale_each=args.scale_each,
+            loaded=loaded,
         )
-    if measured.get("generation"):
-        predicted["generation"] = predict_generation(profile, measured["generation"])
-    rows = figures(measured, predicted)
+    if rnd.get("generation"):
+        predicted["generation"] = predict_generation(profile, rnd["generation"], loaded)
+    return predicted
+
+
+def combine(per_round: list[list[dict[str, Any]]]) -> list[dict[str, Any]]:
+    """Each figure as the median over the rounds of its measured and of its predicted value,
+    the error between the two medians, and (with rounds) each round's values and the
+    measured values' spread ((largest - smallest) / median: how far the harness moves
+    between rounds)."""
+    keyed: dict[tuple[str, str], list[dict[str, Any]]] = {}
+    for rows in per_round:
+        for row in rows:
+            keyed.setdefault((row["config"], row["figure"]), []).append(row)
+    out = []
+    for (config, figure), rows in keyed.items():
+        ms = [r["measured"] for r in rows]
+        ts = [r["twin"] for r in rows]
+        m, t = statistics.median(ms), statistics.median(ts)
+        row = {"config": config, "figure": figure, "measured": round(m, 2), "twin": round(t, 2),
+               "error": round((t - m) / m, 4) if m else math.nan}  # fmt: skip
+        if len(rows) > 1:
+            row |= {"measured_rounds": ms, "twin_rounds": ts,
+                    "spread": round((max(ms) - min(ms)) / m, 4) if m else math.nan}  # fmt: skip
+        out.append(row)
+    return out
+
+
+def fitted(predicted: dict[str, Any], profile: dict) -> dict[str, Any]:
+    """What one round's twin was fitted to, for the report."""
+    embed = predicted.get("embed", {})
+    gen = predicted.get("generation") or {}
+    return {
+        "embed_fixed_ms": embed.get("fixed_ms"),
+        "embed_pass_scale": embed.get("pass_scale"),
+        "embed_loaded_pass_scale": embed.get("loaded_pass_scale"),
+        "embed_host": embed.get("host"),
+        # Where the embedder's pass prices come from: "serving" when the profile's entry
+        # was re-timed in a replica (carpool.twin serving-profile), else bare passes.
+        "embed_passes_from": next(
+            (
+                "serving" if e.get("serving") else "bare"
+                for e in profile["models"]
+                if e.get("role") == "embedder"
+            ),
+            None,
+        ),
+        "generation_step_overhead_ms": {k: v.get("step_overhead_ms") for k, v in gen.items()},
+        "generation_fixed_ms": {k: v.get("fixed_ms") for k, v in gen.items()},
+        "generation_seq_overhead_ms": {k: v.get("seq_overhead_ms") for k, v in gen.items()},
+    }
+
+
+def cmd_report(args: Any) -> int:
+    from benchmarks.twin_markdown import markdown
+
+    measured = json.loads(Path(args.measured).read_text())
+    profile = load_profile(args.profile)
+    # Runs 1-9 are one round each, at the top of the file.
+    rounds = measured.get("rounds") or [measured]
+    predicted = [predict_round(profile, r, measured["requests"], args) for r in rounds]
+    rows = combine([figures(r, p) for r, p in zip(rounds, predicted, strict=True)])
     errors = [abs(r["error"]) for r in rows if not math.isnan(r["error"])]
+    spreads = [r["spread"] for r in rows if not math.isnan(r.get("spread", math.nan))]
     doc = {
         "median_abs_error": round(statistics.median(errors), 4) if errors else None,
         "max_abs_error": round(max(errors), 4) if errors else None,
+        "rounds": len(rounds),
+        # How far the harness itself moves between rounds: the error a twin cannot beat.
+        "median_measured_spread": round(statistics.median(spreads), 4) if spreads else None,
         "figures": rows,
         "profile": args.profile,
         "measured": args.measured,
         "measure_command": measured.get("command"),
         "report_command": " ".join([".venv/bin/python -m benchmarks.twin_validate", *sys.argv[1:]]),
-        "fitted": {
-            "embed_fixed_ms": predicted.get("embed", {}).get("fixed_ms"),
-            "embed_pass_scale": predicted.get("embed", {}).get("pass_scale"),
-            "embed_host": predicted.get("embed", {}).get("host"),
-            # Where the embedder's pass prices come from: "serving" when the profile's entry
-            # was re-timed in a replica (carpool.twin serving-profile), else bare passes.
-            "embed_passes_from": next(
-                (
-                    "serving" if e.get("serving") else "bare"
-                    for e in profile["models"]
-                    if e.get("role") == "embedder"
-                ),
-                None,
-            ),
-            "generation_step_overhead_ms": {
-                k: v.get("step_overhead_ms") for k, v in (predicted.get("generation") or {}).items()
-            },
-            "generation_fixed_ms": {
-                k: v.get("fixed_ms") for k, v in (predicted.get("generation") or {}).items()
-            },
-        },
+        "fitted": [fitted(p, profile) for p in predicted],
         "predicted": predicted,
     }
     Path(args.json).write_text(json.dumps(doc, indent=1) + "\n")
-    Path(args.md).write_text(markdown(doc, measured))
+    Path(args.md).write_text(markdown(doc, measured, rounds[0]))
     print(Path(args.md).read_text())
     return 0
-
-
-def markdown(doc: dict, measured: dict) -> str:
-    fitted = doc["fitted"]
-    host = fitted.get("embed_host")
-    gen = measured.get("generation") or {}
-    trace = (gen.get("default") or {}).get("trace")
-    lines = [
-        "# The twin against the harness",
-        "",
-        f"Measured: `{doc['measure_command']}` (started {measured.get('started')}, load average "
-        f"{measured.get('loadavg_before')} before, {measured.get('loadavg_after')} after), "
-        "under the benchmark lock.",
-        f"Predicted: `{doc['report_command']}` with the cost profile `{doc['profile']}`.",
-        "",
-        f"**Median absolute error {100 * (doc['median_abs_error'] or 0):.1f}%, largest "
-        f"{100 * (doc['max_abs_error'] or 0):.1f}%** over {len(doc['figures'])} figures "
-        "(the issue's targets: median at most 10%, none worse than 25%).",
-        "",
-        "| configuration | figure | measured | twin | error |",
-        "|---|---|---|---|---|",
-    ]
-    for r in doc["figures"]:
-        lines.append(
-            f"| {r['config']} | {r['figure']} | {r['measured']:,.1f} | {r['twin']:,.1f} | "
-            f"{100 * r['error']:+.1f}% |"
-        )
-    lines += ["", "## What is fitted, and on what", ""]
-    scaled = fitted.get("embed_pass_scale") is not None
-    passes = (
-        "the embedder's passes as its deployed replica ran them, one request of each of the "
-        "profile's shapes at a time, on the default configuration before its phases "
-        "(`carpool.twin serving-profile`); the generator's bare steps"
-        if fitted.get("embed_passes_from") == "serving"
-        else "bare forward passes, no serving"
-    )
-    lines.append(
-        f"Nothing is fitted on a figure above. The passes cost what the profile measured ({passes})"
-        + (", times what serving added to a pass in the calibration run" if scaled else "")
-        + ". Fitted on calibration runs, none of them among the "
-        "figures (for embed, the **default** configuration's idle window of the deployed "
-        "cluster and its 1-client closed loop):"
-    )
-    if fitted.get("embed_pass_scale") is not None:
-        lines.append(
-            f"- what serving adds to each embedder pass: **{fitted['embed_pass_scale']:.3f}x** "
-            "the profile's price, the replica's own record of its passes' wall time in the "
-            "1-client run (`/v1/stats`) over the twin's price of the same requests' passes "
-            "(`carpool.twin.calibrate.serving_pass_scale`; `PoolSpec.pass_scale`). It is pass "
-            "time, so it holds the replica and queues under load."
-        )
-    if host:
-        lines.append(
-            f"- the serving path's host CPU, read from /proc (CPU seconds of the load generator "
-            f"and every process of the Ray cluster): {host['background_cores']} cores busy "
-            f"idle, and **{host['cpu_ms_per_request']} ms of CPU per request** outside the "
-            f"model's passes (proxy, ingress, the replica's request handling, the load "
-            f"generator; the passes are what the twin prices them at on the same requests, "
-            f"{host['pass_ms_per_request']} ms each). The twin runs the passes on a host of "
-            f"{host['cores']:g} cores that this demand shares: while the passes and the "
-            "serving path together want more than the cores, every runnable thread slows "
-            "alike (processor sharing; `Overheads.host_cores`, `carpool.twin.sim.host_slowdown`)."
-        )
-    if fitted.get("embed_fixed_ms") is not None:
-        lines.append(
-            f"- the serving latency outside the model (`fixed_ms` = {fitted['embed_fixed_ms']} "
-            "ms per request, proxy + ingress + hops): the 1-client run's mean latency less the "
-            "twin's."
-        )
-    steps = {
-        k: v for k, v in (fitted.get("generation_step_overhead_ms") or {}).items() if v is not None
-    }
-    if steps:
-        fixed = fitted.get("generation_fixed_ms") or {}
-        lines.append(
-            "- generation, per configuration, from its own 1-client calibration run (4 requests "
-            "of 32 tokens, not among the figures): the latency from a call to the engine's "
-            "inbox (`fixed_ms`: arrival collector, tokenizing, submission; the run's median "
-            "time to first token less the twin's), "
-            + ", ".join(f"{k} {fixed.get(k)} ms" for k in steps)
-            + ", and the engine's work per step outside the forward passes (scheduling, "
-            "sampling, detokenizing, streaming; the run's wall time less the twin's, over its "
-            "engine steps), " + ", ".join(f"{k} {v} ms" for k, v in steps.items()) + "."
-        )
-    lines += [
-        "",
-        "## Scope",
-        "",
-        "The embed figures go through HTTP, Serve's proxy and the embed ingress, as the suite "
-        "deploys serve.yaml's embed app (one torch thread, `thread_policy: reserved`), on one "
-        "private Ray instance; closed-32 runs for the window given, half capacity is Poisson at "
-        "half of closed-32's request rate, 3x is Poisson at three times it (300 requests, the "
-        "suite's window). The configurations other than `default` change one knob each; the "
-        "embed side was calibrated on `default` only, and no figure of any configuration was "
-        "fitted on (each generation configuration has its own 1-client calibration run).",
-    ]
-    if gen:
-        lines += [
-            "",
-            "Generation is carpool's **continuous** engine in process (no HTTP, as "
-            "`benchmarks.generation_compare` runs it; SmolLM2-135M, greedy, `ignore_eos`, one "
-            f"torch thread, `limits.max_seq_len` {gen.get('max_seq_len')}), closed loops of "
-            "`generation_compare`'s workload (`max_tokens` spread over 8-256); not serve.yaml's "
-            "`mode: vllm` small model, whose step costs no profile holds.",
-        ]
-    if trace:
-        lines += [
-            "",
-            f"The conversation trace: {trace['requests']} requests of the Azure LLM inference "
-            f"trace (conversation, 2023-11-16; `{trace['source']}`) from {trace['start_s']:g} s "
-            f"in, **time scaled** so they arrive at {trace['rate']:g} requests/s on average "
-            f"(bursts kept), **token counts times {trace['token_scale']:g}** (context and "
-            "generated; prompts synthesized to that many tokens, outputs forced by "
-            "`ignore_eos`), open loop. Trace: Azure Public Dataset, CC-BY 4.0; Patel et al., "
-            '"Splitwise: Efficient generative LLM inference using phase splitting", ISCA 2024.',
-        ]
-    lines += [
-        "",
-        "A configuration with an `error` in the measurement file is left out of the table.",
-    ]
-    # Hand-written sections kept beside the measurements, so the report can be regenerated.
-    for extra in (
-        ROOT / "benchmarks/results/twin-notes.md",
-        ROOT / "benchmarks/results/twin-plan-check.md",
-    ):
-        if extra.exists():
-            lines += ["", extra.read_text().rstrip()]
-    return "\n".join(lines) + "\n"

@@ -7,18 +7,19 @@ can be redone apart:
         --out benchmarks/results/twin-validate.json
     .venv/bin/python -m benchmarks.twin_validate report benchmarks/results/twin-validate.json
 
-``measure`` runs, for each embed configuration (serve.yaml's embed app as the suite deploys it:
-one torch thread, ``thread_policy: reserved``; knobs overridden per configuration), on one
-private Ray + Serve: an idle window and a calibration run (1 closed-loop client: the serving
-path's latency and host CPU), 32 closed-loop clients (capacity), Poisson at half of that
-capacity (latency) and at 3x (goodput), each with the CPU seconds the cluster and the load
-generator used (/proc); then, for each generation configuration, carpool's continuous
-engine in process (as ``benchmarks.generation_compare`` builds it: greedy, ``ignore_eos``):
-a 1-client calibration, closed loops at 4, 16 and 64 clients, and on the default a replay of
-the Azure conversation trace (time and token counts scaled, both stated). ``report`` runs
-the twin on the very same requests and arrival times with a cost profile, and writes
-``benchmarks/TWIN.md`` and ``benchmarks/twin.json`` (every figure, its error, the median and
-largest absolute error, and what was fitted on which calibration run).
+``measure`` runs, ``--rounds`` times over with the configurations interleaved in each round,
+for each embed configuration (serve.yaml's embed app as the suite deploys it: one torch
+thread, ``thread_policy: reserved``; knobs overridden per configuration), on one private
+Ray + Serve: an idle window and two calibration runs (1 and 8 closed-loop clients: the
+serving path's latency and host CPU, and a pass's cost under load), 32 closed-loop clients
+(capacity), Poisson at half of that capacity (latency) and at 3x (goodput), each with the
+CPU seconds the cluster and the load generator used (/proc); then, for each generation
+configuration, carpool's continuous engine in process (``benchmarks.twin_measure_gen``).
+``report`` runs the twin on the very same requests and arrival times with a cost profile,
+round by round, and writes ``benchmarks/TWIN.md`` and ``benchmarks/twin.json`` (every
+figure as the median over the rounds of the measured and of the predicted value, its error,
+the rounds' spread, the median and largest absolute error, and what was fitted on which
+calibration run).
 """
 
 from __future__ import annotations
@@ -38,7 +39,6 @@ os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
 from benchmarks.arrivals import ArrivalSpec
 from benchmarks.workloads import EmbedRequest, Workload, embed_workload
 from carpool.twin.replicas import SimRequest
-from carpool.twin.sim import percentile
 
 if TYPE_CHECKING:
     from benchmarks.deploy import ServeCluster
@@ -67,6 +67,7 @@ GEN_MAX_SEQ_LEN = 640
 # before: 16 at 4 clients and 32 at 16, where the p99 was the slowest of the first wave).
 GEN_REQUESTS = 64
 GEN_CALIB_REQUESTS = 4  # 1 client x 32 tokens each: the serving cost per engine step
+GEN_CALIB_LOADED_CLIENTS = 8  # and 8 clients x 2 requests: the cost of a step under load
 TRACE = "/work/shared/traces/AzureLLMInferenceTrace_conv.csv"
 MAX_LENGTH = 256  # all-MiniLM-L6-v2's max_seq_length: longer texts are truncated to it
 SEED = 0
@@ -102,26 +103,6 @@ def gen_requests(
         )
         for p, m, f in zip(prompt_tokens, max_tokens, first, strict=True)
     ]
-
-
-async def _first_delta_tokens(server: Any, texts: list[str]) -> list[int]:
-    async def one(text: str) -> int:
-        call = {"prompts": [text], "max_tokens": 4, "temperature": 0.0, "ignore_eos": True,
-                "logprobs": 0}  # fmt: skip
-        async for event in server.stream(call):
-            if event["type"] == "delta" and event["text"]:
-                return max(1, len((event.get("logprobs") or {}).get("tokens") or [None]))
-        return 4
-
-    return list(await asyncio.gather(*(one(t) for t in texts)))
-
-
-def first_delta_tokens(server: Any, texts: list[str]) -> list[int]:
-    """How many tokens each prompt's first visible text delta carries, greedy: the stream
-    holds a token whose text may still change, so a first token that decodes to held text
-    reaches the client with the next (SmolLM2 on 6 of generation_compare's 8 prompts). With
-    ``logprobs`` every delta lists its tokens, which is how they are counted here."""
-    return asyncio.run(_first_delta_tokens(server, texts))
 
 
 # --- measuring ------------------------------------------------------------------------------
@@ -271,6 +252,10 @@ async def _embed_phases(
         await asyncio.sleep(3)  # the cluster idle: what it burns with no requests
         out["idle"] = _cpu_used(idle, _cpu_snapshot(session))
         out["closed_1"] = await _timed(bench, system, workload, calib, session)
+        # A calibration under load (not a validated figure): what a pass costs while the
+        # serving path keeps the other core busy, which the 1-client run cannot show.
+        loaded = ArrivalSpec(kind="closed", concurrency=8, duration_s=args.calibrate_s)
+        out["closed_8"] = await _timed(bench, system, workload, loaded, session)
         closed = ArrivalSpec(kind="closed", concurrency=32, duration_s=args.duration)
         out["closed_32"] = await _timed(bench, system, workload, closed, session)
         capacity = out["closed_32"]["requests_per_s"]
@@ -287,7 +272,10 @@ async def _embed_phases(
     return out
 
 
-def measure_embed(args: Any) -> dict[str, Any]:
+def measure_embed(args: Any) -> list[dict[str, Any]]:
+    """Every configuration in turn, ``args.rounds`` times over (rounds interleave the
+    configurations, so a slow spell of the VM falls on all of them alike): one dict of
+    configurations per round."""
     from benchmarks.deploy import SYSTEMS, Resources, ServeCluster, logical_cpus_needed
     from benchmarks.runner import System
     from benchmarks.targets import make_target
@@ -298,37 +286,33 @@ def measure_embed(args: Any) -> dict[str, Any]:
     # (since run 7; runs 1-6 shared the load generator's session: --harness-session).
     own = not args.harness_session
     cluster = ServeCluster(args.port, logical_cpus_needed([spec], resources), own_session=own)
-    results: dict[str, Any] = {"resources": resources.model_dump(), "ray_own_session": own}
+    rounds: list[dict[str, Any]] = []
     cluster.start()
     try:
-        for name in args.configs:
-            knobs = EMBED_CONFIGS[name]
-            print(f"embed {name}: deploying {knobs}", file=sys.stderr, flush=True)
-            cluster.deploy([spec], resources, {"carpool": knobs})
-            system = System(
-                "carpool", make_target("embed", "carpool", spec.prefix), "bench-carpool"
-            )
-            started = time.time()
-            try:
-                results[name] = {
-                    "knobs": knobs,
-                    **asyncio.run(
-                        _embed_phases(
-                            cluster,
-                            system,
-                            workload,
-                            args,
-                            args.serving_profile if name == CALIBRATION_CONFIG else None,
-                        )
-                    ),
-                }
-            except Exception as exc:  # one configuration's failure must not lose the others
-                results[name] = {"knobs": knobs, "error": repr(exc)}
-            print(f"embed {name}: {time.time() - started:.0f} s", file=sys.stderr, flush=True)
-            _save(args.out + ".partial", {"embed": results})
+        for rnd in range(args.rounds):
+            results: dict[str, Any] = {"resources": resources.model_dump(), "ray_own_session": own}
+            rounds.append(results)
+            for name in args.configs:
+                knobs = EMBED_CONFIGS[name]
+                print(f"embed round {rnd} {name}: deploying {knobs}", file=sys.stderr, flush=True)
+                cluster.deploy([spec], resources, {"carpool": knobs})
+                system = System(
+                    "carpool", make_target("embed", "carpool", spec.prefix), "bench-carpool"
+                )
+                # The passes re-timed once, in the first round's calibration deployment.
+                retime = args.serving_profile if name == CALIBRATION_CONFIG and rnd == 0 else None
+                started = time.time()
+                try:
+                    phases = asyncio.run(_embed_phases(cluster, system, workload, args, retime))
+                    results[name] = {"knobs": knobs, **phases}
+                except Exception as exc:  # one configuration's failure must not lose the others
+                    results[name] = {"knobs": knobs, "error": repr(exc)}
+                print(f"embed round {rnd} {name}: {time.time() - started:.0f} s", file=sys.stderr,
+                      flush=True)  # fmt: skip
+                _save(args.out + ".partial", {"rounds": [{"embed": r} for r in rounds]})
     finally:
         cluster.shutdown()
-    return results
+    return rounds
 
 
 def _save(path: str, doc: dict[str, Any]) -> None:
@@ -336,199 +320,25 @@ def _save(path: str, doc: dict[str, Any]) -> None:
     Path(path).write_text(json.dumps(doc, indent=1) + "\n")
 
 
-def prompt_tokens(model: str) -> list[int]:
-    """Tokens of each of generation_compare's prompts, as its server feeds them."""
-    from transformers import AutoTokenizer
-
-    from benchmarks.generation_compare import PROMPTS
-    from carpool.models import resolve_model_source
-
-    tok = AutoTokenizer.from_pretrained(resolve_model_source(model))
-    return [len(tok(p)["input_ids"]) for p in PROMPTS]
-
-
-def gen_server(model: Any, tokenizer: Any, source: str, knobs: dict[str, Any]) -> Any:
-    """carpool's continuous engine in process, as generation_compare builds it, with a
-    ``max_seq_len`` that lets 64 slots fit the default KV ceiling (2048 MB): the default
-    2048-token slots need 6 GB at 64 sequences, which is what failed at start-up before."""
-    from deployments.generator import GeneratorServer
-
-    config = {
-        "source": {"model": source},
-        "mode": "continuous",
-        "batching": {**knobs, "request_timeout_s": 3600},
-        "limits": {"max_seq_len": GEN_MAX_SEQ_LEN},
-    }
-    return GeneratorServer(config, model=model, tokenizer=tokenizer)
-
-
-async def _gen_calls(
-    server: Any, calls: list[dict[str, Any]], clients: int = 0, times: list[float] | None = None
-) -> dict[str, Any]:
-    """``clients`` closed-loop clients over ``calls``, or each call sent at its time in
-    ``times`` (open loop); per request: latency, TTFT (first delta), output tokens."""
-    records: list[dict[str, float]] = []
-
-    async def one(call: dict[str, Any]) -> None:
-        start = time.perf_counter()
-        first, tokens = None, 0
-        async for event in server.stream(call):
-            if event["type"] == "delta" and first is None:
-                first = time.perf_counter()
-            if event["type"] == "end":
-                tokens = event["completion_tokens"]
-        end = time.perf_counter()
-        records.append({"sent_s": start - t0, "latency_s": end - start,
-                        "ttft_s": (first or end) - start, "tokens": tokens})  # fmt: skip
-
-    queue = list(calls)
-
-    async def client() -> None:
-        while queue:
-            await one(queue.pop(0))
-
-    async def at(delay: float, call: dict[str, Any]) -> None:
-        await asyncio.sleep(max(0.0, delay - (time.perf_counter() - t0)))
-        await one(call)
-
-    before = server.stats()
-    t0 = time.perf_counter()
-    if times is None:
-        await asyncio.gather(*(client() for _ in range(clients)))
-    else:
-        await asyncio.gather(*(at(t, c) for t, c in zip(times, calls, strict=True)))
-    wall = time.perf_counter() - t0
-    after = server.stats()
-    tokens = sum(r["tokens"] for r in records)
-    ttft = [1000 * r["ttft_s"] for r in records]
-    lat = [1000 * r["latency_s"] for r in records]
-    return {
-        "requests": len(records),
-        "output_tokens": tokens,
-        "wall_s": wall,
-        "tokens_per_s": tokens / wall,
-        "ttft_p50_ms": percentile(ttft, 50),
-        "ttft_p99_ms": percentile(ttft, 99),
-        "p50_ms": percentile(lat, 50),
-        "p99_ms": percentile(lat, 99),
-        "engine_steps": after["steps"] - before["steps"],
-        "loadavg": list(os.getloadavg()),
-    }
-
-
-def trace_calls(tokenizer: Any, args: Any) -> tuple[list[float], list[dict[str, Any]], list[int]]:
-    """``trace_requests`` requests of the conversation trace from ``trace_start`` seconds in
-    (its first minutes are sparse), time compressed or stretched so they arrive at
-    ``trace_rate`` requests/s on average, bursts kept; token counts times
-    ``trace_token_scale`` (the traces' README asks both factors be stated). Prompts are
-    synthesized to their token count, outputs forced with ``ignore_eos``."""
-    from carpool.twin.traffic import load_trace
-
-    traffic = load_trace(args.trace)
-    assert traffic.trace is not None
-    window = [(t, r) for t, r in traffic.trace if t >= args.trace_start][: args.trace_requests]
-    t0, span = window[0][0], max(window[-1][0] - window[0][0], 1e-9)
-    factor = (len(window) / args.trace_rate) / span
-    times, calls, prompts = [], [], []
-    words = [
-        "the",
-        "river",
-        "runs",
-        "past",
-        "the",
-        "old",
-        "market",
-        "where",
-        "people",
-        "sell",
-        "bread",
-        "and",
-        "fish",
-    ]
-    for t, req in window:
-        out = max(1, round(req.max_tokens * args.trace_token_scale))
-        want = max(4, round(req.prompt_tokens * args.trace_token_scale))
-        want = min(want, GEN_MAX_SEQ_LEN - out - 8)
-        ids = tokenizer(" ".join(words[i % len(words)] for i in range(2 * want)))["input_ids"]
-        text = tokenizer.decode(ids[:want])
-        times.append((t - t0) * factor)
-        prompts.append(len(tokenizer(text)["input_ids"]))  # exact, as the server will see it
-        calls.append({"prompts": [text], "max_tokens": out, "temperature": 0.0,
-                      "ignore_eos": True})  # fmt: skip
-    return times, calls, prompts
-
-
-def measure_generation(args: Any) -> dict[str, Any]:
-    """carpool's continuous engine in process (no HTTP: generation_compare's setting), per
-    configuration: a 1-client calibration, then closed loops at each client count; then the
-    conversation trace, open loop, on the default configuration."""
-    import torch
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    from benchmarks.generation_compare import PROMPTS, workload
-    from carpool.models import resolve_model_source, size_torch_threads
-
-    size_torch_threads(None, 1)
-    path = resolve_model_source(args.gen_model)
-    tokenizer = AutoTokenizer.from_pretrained(path)
-    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
-    out: dict[str, Any] = {"model": args.gen_model, "prompt_tokens": prompt_tokens(args.gen_model),
-                           "max_seq_len": GEN_MAX_SEQ_LEN}  # fmt: skip
-    for name in args.gen_configs:
-        knobs, clients_list = GEN_CONFIGS[name]
-        server = gen_server(model, tokenizer, args.gen_model, knobs)
-        res: dict[str, Any] = {"knobs": knobs}
-        try:
-            asyncio.run(_gen_calls(server, workload(1, 4, 4, SEED), 1))  # warm-up
-            if "first_delta_tokens" not in out:
-                out["first_delta_tokens"] = first_delta_tokens(server, PROMPTS)
-            calib = workload(GEN_CALIB_REQUESTS, 32, 32, SEED)
-            res["calibrate"] = asyncio.run(_gen_calls(server, calib, 1))
-            for clients in clients_list:
-                if clients not in args.gen_clients:
-                    continue
-                # Enough requests that a p99 is not just the slowest of a few (16 at 4
-                # clients until run 2: the p99 was the first wave's burst): at least
-                # ``gen_requests``, and one wave of the clients. (Run 3 took two waves,
-                # 128 at 64 clients: max_num_seqs_16's queue then passed its 60 s bound
-                # on the slower machine, and the refusal ended that configuration.)
-                n = max(args.gen_requests, clients)
-                print(f"generation {name}: {clients} clients, {n} requests", file=sys.stderr,
-                      flush=True)  # fmt: skip
-                before = _cpu_snapshot()
-                r = asyncio.run(_gen_calls(server, workload(n, 8, 256, SEED), clients))
-                res[str(clients)] = {"requests": n, **r, "cpu": _cpu_used(before, _cpu_snapshot())}
-            if name == "default" and args.trace_requests > 0:
-                times, calls, prompts = trace_calls(tokenizer, args)
-                print(f"generation: trace, {len(calls)} requests", file=sys.stderr, flush=True)
-                r = asyncio.run(_gen_calls(server, calls, times=times))
-                r["first_delta_tokens"] = first_delta_tokens(
-                    server, [c["prompts"][0] for c in calls]
-                )
-                res["trace"] = {**r, "times": times, "prompt_tokens": prompts,
-                                "max_tokens": [c["max_tokens"] for c in calls],
-                                "rate": args.trace_rate, "token_scale": args.trace_token_scale,
-                                "start_s": args.trace_start, "source": args.trace}  # fmt: skip
-        except Exception as exc:  # one configuration's failure must not lose the others
-            res["error"] = repr(exc)
-        finally:
-            server.close()
-        out[name] = res
-        _save(args.out + ".gen.partial", {"generation": out})
-    return out
-
-
 def cmd_measure(args: Any) -> int:
+    from benchmarks.twin_measure_gen import measure_generation
+
     results: dict[str, Any] = {
         "command": " ".join([".venv/bin/python -m benchmarks.twin_validate", *sys.argv[1:]]),
         "started": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
         "loadavg_before": list(os.getloadavg()),
         "requests": args.requests,
     }
+    rounds: list[dict[str, Any]] = [{} for _ in range(args.rounds)]
     if args.configs:
-        results["embed"] = measure_embed(args)
+        for r, embed in zip(rounds, measure_embed(args), strict=True):
+            r["embed"] = embed
     if args.gen_configs and (args.gen_clients or args.trace_requests > 0):
-        results["generation"] = measure_generation(args)
+        for r, gen in zip(rounds, measure_generation(args), strict=True):
+            r["generation"] = gen
+    # Each round is a whole measurement (as a file of runs 1-9 is); the report takes each
+    # figure's median over the rounds.
+    results["rounds"] = rounds
     results["loadavg_after"] = list(os.getloadavg())
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(results, indent=1) + "\n")
@@ -556,6 +366,9 @@ def main(argv: list[str] | None = None) -> int:
     m.add_argument("--trace-rate", type=float, default=0.8, help="mean requests/s replayed")
     m.add_argument("--trace-token-scale", type=float, default=0.125,
                    help="its context and generated tokens times this")  # fmt: skip
+    m.add_argument("--rounds", type=int, default=3,
+                   help="measure every configuration this many times, interleaved; the report "
+                   "takes each figure's median")  # fmt: skip
     m.add_argument("--requests", type=int, default=2000)
     m.add_argument("--duration", type=float, default=40.0)
     m.add_argument("--calibrate-s", type=float, default=15.0)
@@ -581,6 +394,9 @@ def main(argv: list[str] | None = None) -> int:
     r.add_argument("--pass-scale", action="store_true",
                    help="scale embedder passes by what serving added to them in the default's "
                    "1-client run (run 5's twin)")  # fmt: skip
+    r.add_argument("--no-loaded", action="store_true",
+                   help="price passes as the 1-client calibration does, not as the 8-client "
+                   "one shows them under load (runs 1-9's twin; an ablation)")  # fmt: skip
     r.add_argument("--scale-each", action="store_true",
                    help="each embed configuration's pass scale from its own 1-client run")  # fmt: skip
     args = p.parse_args(argv)

@@ -334,11 +334,15 @@ class GeneratorReplica:
         max_kv_tokens: int | None = None,
         step_overhead_ms: float = 0.0,
         curve: str = "points",
+        seq_overhead_ms: float = 0.0,
     ) -> None:
         self.name = name
         # Engine work per step outside the forward passes (scheduling, sampling,
-        # detokenizing, handing events to the streams): the profile times passes only.
+        # detokenizing, handing events to the streams): the profile times passes only. Part
+        # of it is per step, part per sequence in the step (its sampling, its text, its
+        # event to its stream).
         self.step_overhead_ms = step_overhead_ms
+        self.seq_overhead_ms = seq_overhead_ms
         self.limits = SchedulerLimits(
             int(knobs.get("max_num_seqs", 16)), int(knobs.get("max_batch_tokens", 512))
         )
@@ -420,7 +424,8 @@ class GeneratorReplica:
                     "attention": len(prefill) * width * view,
                 },
             )
-        return self.scale * ms + self.step_overhead_ms
+        seqs = len(decode) + len(prefill)
+        return self.scale * ms + self.step_overhead_ms + self.seq_overhead_ms * seqs
 
     def _kv_room(self) -> bool:
         if self.max_kv_tokens is None:

@@ -44,6 +44,7 @@ class PoolSpec:
     # replica's own pass timings in a calibration run: ``carpool.twin.calibrate``).
     pass_scale: float = 1.0
     step_ms: float = 0.0  # a generator's engine work per step outside its forward passes
+    seq_ms: float = 0.0  # and per sequence in a step (sampling, text, its stream's event)
 
 
 @dataclass
@@ -85,6 +86,7 @@ class TwinSpec:
                             p.max_kv_tokens,
                             p.step_ms,
                             curve=self.decode_curve,
+                            seq_overhead_ms=p.seq_ms,
                         )
                     )
             pools[role] = Pool(role, replicas, p.max_ongoing_requests, p.max_queued_requests)
