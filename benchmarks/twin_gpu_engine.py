@@ -68,6 +68,25 @@ def make(model: Any, tokenizer: Any, knobs: dict[str, Any]) -> Any:
     return make_engine("continuous", model, info, limits, MAX_SEQ_LEN)
 
 
+def summarise(records: list[dict[str, float]], wall: float, steps: int) -> dict[str, Any]:
+    """A closed loop's figures from its requests' records (latency, first token, tokens), as
+    ``twin_validate`` stores them (this module's and ``twin_measure_gen``'s)."""
+    tokens = sum(r["tokens"] for r in records)
+    ttft = [1000 * r["ttft_s"] for r in records]
+    lat = [1000 * r["latency_s"] for r in records]
+    return {
+        "requests": len(records),
+        "output_tokens": tokens,
+        "wall_s": wall,
+        "tokens_per_s": tokens / wall,
+        "ttft_p50_ms": percentile(ttft, 50),
+        "ttft_p99_ms": percentile(ttft, 99),
+        "p50_ms": percentile(lat, 50),
+        "p99_ms": percentile(lat, 99),
+        "engine_steps": steps,
+    }
+
+
 async def closed_loop(
     engine: Any, prompt_ids: list[list[int]], calls: list[dict[str, Any]], clients: int
 ) -> dict[str, Any]:
@@ -101,20 +120,7 @@ async def closed_loop(
     t0 = time.perf_counter()
     await asyncio.gather(*(client() for _ in range(clients)))
     wall = time.perf_counter() - t0
-    tokens = sum(r["tokens"] for r in records)
-    ttft = [1000 * r["ttft_s"] for r in records]
-    lat = [1000 * r["latency_s"] for r in records]
-    return {
-        "requests": len(records),
-        "output_tokens": tokens,
-        "wall_s": wall,
-        "tokens_per_s": tokens / wall,
-        "ttft_p50_ms": percentile(ttft, 50),
-        "ttft_p99_ms": percentile(ttft, 99),
-        "p50_ms": percentile(lat, 50),
-        "p99_ms": percentile(lat, 99),
-        "engine_steps": engine.stats()["steps"] - before,
-    }
+    return summarise(records, wall, engine.stats()["steps"] - before)
 
 
 async def measure_config(

@@ -12,6 +12,7 @@ import sys
 import time
 from typing import Any
 
+from benchmarks.twin_gpu_engine import summarise
 from benchmarks.twin_validate import (
     GEN_CALIB_LOADED_CLIENTS,
     GEN_CALIB_REQUESTS,
@@ -22,7 +23,6 @@ from benchmarks.twin_validate import (
     _cpu_used,
     _save,
 )
-from carpool.twin.sim import percentile
 
 
 async def _first_delta_tokens(server: Any, texts: list[str]) -> list[int]:
@@ -108,21 +108,8 @@ async def _gen_calls(
         await asyncio.gather(*(at(t, c) for t, c in zip(times, calls, strict=True)))
     wall = time.perf_counter() - t0
     after = server.stats()
-    tokens = sum(r["tokens"] for r in records)
-    ttft = [1000 * r["ttft_s"] for r in records]
-    lat = [1000 * r["latency_s"] for r in records]
-    return {
-        "requests": len(records),
-        "output_tokens": tokens,
-        "wall_s": wall,
-        "tokens_per_s": tokens / wall,
-        "ttft_p50_ms": percentile(ttft, 50),
-        "ttft_p99_ms": percentile(ttft, 99),
-        "p50_ms": percentile(lat, 50),
-        "p99_ms": percentile(lat, 99),
-        "engine_steps": after["steps"] - before["steps"],
-        "loadavg": list(os.getloadavg()),
-    }
+    return {**summarise(records, wall, after["steps"] - before["steps"]),
+            "loadavg": list(os.getloadavg())}  # fmt: skip
 
 
 def trace_calls(tokenizer: Any, args: Any) -> tuple[list[float], list[dict[str, Any]], list[int]]:
