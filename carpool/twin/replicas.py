@@ -51,7 +51,7 @@ class SimRequest:
     # Tokens until a client sees the first text: the stream holds a token back while its text
     # may still change (a partial character, a newline the next token may merge into), so a
     # first token that decodes to held text arrives with the second. A property of the prompt
-    # and model, measured (benchmarks/twin_validate.py: first_delta_tokens).
+    # and model, measured (benchmarks/twin_measure_gen.py: first_delta_tokens).
     first_visible: int = 1
 
     @property
