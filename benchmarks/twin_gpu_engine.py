@@ -23,8 +23,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
-import os
-import platform
 import sys
 import time
 from pathlib import Path
@@ -41,21 +39,6 @@ CONFIGS: dict[str, tuple[dict[str, Any], tuple[int, ...]]] = {
     "max_num_seqs_16": ({"max_num_seqs": 16, "max_batch_tokens": 512,
                          "batch_wait_timeout_s": 0.0}, (64,)),
 }  # fmt: skip
-
-
-def build_model(model_dir: str, device: str, dtype: str, random_weights: bool) -> tuple[Any, Any]:
-    import torch
-    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
-
-    torch_dtype = getattr(torch, dtype)
-    tokenizer = AutoTokenizer.from_pretrained(model_dir)
-    if random_weights:
-        config = AutoConfig.from_pretrained(model_dir)
-        torch.manual_seed(0)
-        model = AutoModelForCausalLM.from_config(config, dtype=torch_dtype)
-    else:
-        model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch_dtype)
-    return model.to(device).eval(), tokenizer
 
 
 def make(model: Any, tokenizer: Any, knobs: dict[str, Any]) -> Any:
@@ -143,19 +126,6 @@ async def measure_config(
     return out
 
 
-def environment(device: str) -> dict[str, Any]:
-    import torch
-    import transformers
-
-    env: dict[str, Any] = {"python": platform.python_version(), "torch": torch.__version__,
-                           "transformers": transformers.__version__, "device": device,
-                           "cpu_logical": os.cpu_count()}  # fmt: skip
-    if device.startswith("cuda"):
-        props = torch.cuda.get_device_properties(0)
-        env["gpu"] = {"name": props.name, "memory_gib": round(props.total_memory / 2**30, 1)}
-    return env
-
-
 def main(argv: list[str] | None = None) -> int:
     from benchmarks.generation_compare import PROMPTS
 
@@ -171,7 +141,16 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--out", required=True)
     args = p.parse_args(argv)
     started = time.time()
-    model, tokenizer = build_model(args.model_dir, args.device, args.dtype, args.random_weights)
+    import torch
+    from transformers import AutoTokenizer
+
+    from carpool.twin.measure import build_model
+
+    # As the profile command builds it (random weights initialised on the device).
+    tokenizer = AutoTokenizer.from_pretrained(args.model_dir)
+    model = build_model(
+        args.model_dir, "generator", args.device, getattr(torch, args.dtype), args.random_weights
+    )
     prompt_ids = [tokenizer(t)["input_ids"] for t in PROMPTS]
     shared = {"model": Path(args.model_dir).name, "prompt_tokens": [len(x) for x in prompt_ids],
               "max_seq_len": MAX_SEQ_LEN, "first_delta_tokens": [1] * len(PROMPTS),
@@ -196,11 +175,15 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def save(args: Any, argv: list[str] | None, started: float, rounds: list[dict[str, Any]]) -> None:
-    """The measurement so far (after every round: a run cut short keeps its rounds)."""
+    """The measurement so far (after every round: a run cut short keeps its rounds), with the
+    machine and software as a profile records them."""
+    from carpool.twin.cli import hardware, software
+
     doc = {
         "command": " ".join(["python -m benchmarks.twin_gpu_engine", *(argv or sys.argv[1:])]),
         "started": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(started)),
-        "environment": environment(args.device),
+        "hardware": hardware(args.device),
+        "software": software(),
         "requests": args.requests,
         "rounds": rounds,
         "seconds": round(time.time() - started, 1),

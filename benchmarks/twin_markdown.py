@@ -36,9 +36,7 @@ def _table(doc: dict) -> list[str]:
 
 def markdown(doc: dict, measured: dict, first: dict) -> str:
     """``measured``: the measurement file; ``first``: its first round (what each round ran)."""
-    fits: list[dict[str, Any]] = (
-        doc["fitted"] if isinstance(doc["fitted"], list) else [doc["fitted"]]
-    )
+    fits: list[dict[str, Any]] = doc["fitted"]  # one per round
     fit0 = fits[0]
     gen = first.get("generation") or {}
     trace = (gen.get("default") or {}).get("trace")
@@ -74,7 +72,7 @@ def markdown(doc: dict, measured: dict, first: dict) -> str:
         "the embedder's passes as its deployed replica ran them, one request of each of the "
         "profile's shapes at a time, on the default configuration before its phases "
         "(`carpool.twin serving-profile`); the generator's bare steps"
-        if fit0.get("embed_passes_from") == "serving"
+        if doc.get("embed_passes_from") == "serving"
         else "bare forward passes, no serving"
     )
     lines.append(

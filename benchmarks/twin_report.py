@@ -223,29 +223,35 @@ def fit_generation(
     ``step_ms`` alone matches the 1-client run. The passes cost what the profile says."""
     from benchmarks.generation_compare import PROMPTS, workload
 
-    def run(cal: dict, clients: int, fixed: float, step: float, seq: float) -> SimResult:
-        calls = workload(cal["requests"], 32, 32, SEED)
-        prompts = [tokens[i % len(PROMPTS)] for i in range(len(calls))]
+    cal = m["calibrate"]
+    cal8 = m.get("calibrate_8") if loaded else None
+    n8 = GEN_CALIB_LOADED_CLIENTS
+    # Each calibration run's calls (32 tokens each) and prompts, by its clients, built once.
+    loads = {}
+    for clients, run_ in ((1, cal), (n8, cal8)):
+        if run_:
+            calls = workload(run_["requests"], 32, 32, SEED)
+            loads[clients] = (calls, [tokens[i % len(PROMPTS)] for i in range(len(calls))])
+
+    def run(clients: int, fixed: float, step: float, seq: float) -> SimResult:
+        calls, prompts = loads[clients]
         spec = gen_spec(profile, m["knobs"], step, fixed, seq, variant)
         return _gen_closed(spec, prompts, calls, clients, first)
 
-    cal = m["calibrate"]
-    cal8 = m.get("calibrate_8") if loaded else None
     fixed_ms = step_ms = seq_ms = 0.0
     for _ in range(5):
-        bare = run(cal, 1, fixed_ms, step_ms, seq_ms)
+        bare = run(1, fixed_ms, step_ms, seq_ms)
         fixed_ms = max(0.0, fixed_ms + cal["ttft_p50_ms"] - bare.ttft_p50_ms)
-        w1 = run(cal, 1, fixed_ms, step_ms, seq_ms).window_s
+        w1 = run(1, fixed_ms, step_ms, seq_ms).window_s
         if not cal8:
             step_ms = max(0.0, step_ms + 1000 * (cal["wall_s"] - w1) / max(cal["engine_steps"], 1))
             continue
-        n8 = GEN_CALIB_LOADED_CLIENTS
-        w8 = run(cal8, n8, fixed_ms, step_ms, seq_ms).window_s
+        w8 = run(n8, fixed_ms, step_ms, seq_ms).window_s
         # Both wall times are close to linear in the two overheads: a Newton step each round.
-        a = run(cal, 1, fixed_ms, step_ms + 1.0, seq_ms).window_s - w1
-        b = run(cal, 1, fixed_ms, step_ms, seq_ms + 1.0).window_s - w1
-        c = run(cal8, n8, fixed_ms, step_ms + 1.0, seq_ms).window_s - w8
-        d = run(cal8, n8, fixed_ms, step_ms, seq_ms + 1.0).window_s - w8
+        a = run(1, fixed_ms, step_ms + 1.0, seq_ms).window_s - w1
+        b = run(1, fixed_ms, step_ms, seq_ms + 1.0).window_s - w1
+        c = run(n8, fixed_ms, step_ms + 1.0, seq_ms).window_s - w8
+        d = run(n8, fixed_ms, step_ms, seq_ms + 1.0).window_s - w8
         r1, r8 = cal["wall_s"] - w1, cal8["wall_s"] - w8
         det = a * d - b * c
         if abs(det) < 1e-12:
@@ -364,7 +370,7 @@ def combine(per_round: list[list[dict[str, Any]]]) -> list[dict[str, Any]]:
     return out
 
 
-def fitted(predicted: dict[str, Any], profile: dict) -> dict[str, Any]:
+def fitted(predicted: dict[str, Any]) -> dict[str, Any]:
     """What one round's twin was fitted to, for the report."""
     embed = predicted.get("embed", {})
     gen = predicted.get("generation") or {}
@@ -373,16 +379,6 @@ def fitted(predicted: dict[str, Any], profile: dict) -> dict[str, Any]:
         "embed_pass_scale": embed.get("pass_scale"),
         "embed_loaded_pass_scale": embed.get("loaded_pass_scale"),
         "embed_host": embed.get("host"),
-        # Where the embedder's pass prices come from: "serving" when the profile's entry
-        # was re-timed in a replica (carpool.twin serving-profile), else bare passes.
-        "embed_passes_from": next(
-            (
-                "serving" if e.get("serving") else "bare"
-                for e in profile["models"]
-                if e.get("role") == "embedder"
-            ),
-            None,
-        ),
         "generation_step_overhead_ms": {k: v.get("step_overhead_ms") for k, v in gen.items()},
         "generation_fixed_ms": {k: v.get("fixed_ms") for k, v in gen.items()},
         "generation_seq_overhead_ms": {k: v.get("seq_overhead_ms") for k, v in gen.items()},
@@ -411,7 +407,17 @@ def cmd_report(args: Any) -> int:
         "measured": args.measured,
         "measure_command": measured.get("command"),
         "report_command": " ".join([".venv/bin/python -m benchmarks.twin_validate", *sys.argv[1:]]),
-        "fitted": [fitted(p, profile) for p in predicted],
+        # Where the embedder's pass prices come from: "serving" when the profile's entry
+        # was re-timed in a replica (carpool.twin serving-profile), else bare passes.
+        "embed_passes_from": next(
+            (
+                "serving" if e.get("serving") else "bare"
+                for e in profile["models"]
+                if e.get("role") == "embedder"
+            ),
+            None,
+        ),
+        "fitted": [fitted(p) for p in predicted],
         "predicted": predicted,
     }
     Path(args.json).write_text(json.dumps(doc, indent=1) + "\n")
