@@ -18,6 +18,7 @@ import argparse
 import asyncio
 import dataclasses
 import json
+import math
 import os
 import statistics
 import sys
@@ -67,6 +68,12 @@ async def _rounds(base_url: str, systems: dict[str, Any], args: Any) -> list[dic
     return out
 
 
+def sign_test_p(wins: int, rounds: int) -> float:
+    """One-sided sign test: the chance of at least ``wins`` of ``rounds`` if neither
+    configuration were better (each round a fair coin)."""
+    return sum(math.comb(rounds, k) for k in range(wins, rounds + 1)) / 2**rounds
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m benchmarks.twin_plan_check", description=__doc__)
     p.add_argument("--planned", required=True, help="the planner's embedder user_config (JSON)")
@@ -76,6 +83,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--requests", type=int, default=2000)
     p.add_argument("--port", type=int, default=8164)
     p.add_argument("--out", default="benchmarks/results/twin-plan-check.json")
+    p.add_argument("--harness-session", action="store_true",
+                   help="start Ray in this process's session (the checks of 2026-11-26), not "
+                   "in its own as a user's serve run is")  # fmt: skip
     args = p.parse_args(argv)
     planned = json.loads(args.planned)
 
@@ -86,7 +96,11 @@ def main(argv: list[str] | None = None) -> int:
     shipped = SYSTEMS["carpool"]
     mine = dataclasses.replace(shipped, name="carpool-planned", prefix="/embed-planned")
     resources = Resources()
-    cluster = ServeCluster(args.port, logical_cpus_needed([shipped, mine], resources))
+    cluster = ServeCluster(
+        args.port,
+        logical_cpus_needed([shipped, mine], resources),
+        own_session=not args.harness_session,
+    )
     started = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
     load_before = list(os.getloadavg())
     cluster.start()
@@ -116,10 +130,13 @@ def main(argv: list[str] | None = None) -> int:
         "rounds": rounds,
         "p99_ratio_median": statistics.median(ratios),
         "planned_better_rounds": sum(1 for r in ratios if r < 1),
+        "sign_test_p": sign_test_p(sum(1 for r in ratios if r < 1), len(ratios)),
+        "ray_own_session": not args.harness_session,
     }
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(doc, indent=1) + "\n")
-    print(json.dumps({k: doc[k] for k in ("target", "p99_ratio_median", "planned_better_rounds")}))
+    keys = ("target", "p99_ratio_median", "planned_better_rounds", "sign_test_p")
+    print(json.dumps({k: doc[k] for k in keys}))
     return 0
 
 

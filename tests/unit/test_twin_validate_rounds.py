@@ -107,3 +107,11 @@ def test_the_generation_fit_recovers_what_the_calibration_runs_ran_with(
     # 1-client run's one sequence per step cost.
     _, step_only, none = fit_generation(profile, m, tokens, [1] * len(PROMPTS), loaded=False)
     assert none == 0.0 and step_only == pytest.approx(6.0 + 2.5, abs=1.5)
+
+
+def test_the_plan_checks_sign_test_counts_every_outcome_at_least_as_good() -> None:
+    from benchmarks.twin_plan_check import sign_test_p
+
+    assert sign_test_p(5, 6) == pytest.approx(7 / 64)  # 6 of 6 (1 way) + 5 of 6 (6 ways)
+    assert sign_test_p(0, 9) == 1.0
+    assert sign_test_p(9, 9) == pytest.approx(1 / 512)
