@@ -257,6 +257,8 @@ VLLM_VARIANTS: dict[str, dict[str, Any]] = {
     "vllm-allcores": {"reserved_cores": 0},
     # The model in the engine-core process on one thread: serve.yaml's cpu_executor: uni.
     "vllm-uni": {"uni_threads": 1},
+    # The same on two threads placed by the OS: carpool-uni2's layout on vLLM's own server.
+    "vllm-uni2": {"uni_threads": 2},
 }
 
 
@@ -1140,6 +1142,14 @@ def worker_process_layout(config: dict[str, Any]) -> None:
     small.setdefault("vllm", {})["cpu_executor"] = "mp"
 
 
+def two_thread_layout(config: dict[str, Any]) -> None:
+    """serve.yaml with vLLM's engine core computing on two OpenMP threads placed by the OS
+    (``cpu_executor: uni``, ``cpu_threads: 2``): what one engine makes of both cores through
+    HTTP, to read beside vllm-allcores (the engine alone did 1.6-1.8x one thread's tokens)."""
+    small = app_entry(config, "generate")["args"]["small"]
+    small.setdefault("vllm", {}).update(cpu_executor="uni", cpu_threads=2)
+
+
 def streaming_layout(direct: bool) -> Callable[[dict[str, Any]], None]:
     """serve.yaml with the generate app's HTTP served by a separate ingress deployment
     (``direct=False``) or by the small generator's replica itself (``direct=True``)."""
@@ -1179,6 +1189,7 @@ CARPOOL_LAYOUTS: dict[str, Callable[[dict[str, Any]], None] | None] = {
     "carpool-reserved": reserved_layout,
     "carpool-allcores": allcores_layout,
     "carpool-mp": worker_process_layout,
+    "carpool-uni2": two_thread_layout,
     "carpool-direct": streaming_layout(direct=True),
     "carpool-ingress": streaming_layout(direct=False),
     "carpool-harness-session": None,  # serve.yaml, Ray in the load generator's session

@@ -75,6 +75,8 @@ def test_vllm_command_line_and_env() -> None:
     allcores = peers.vllm_env(4, **peers.VLLM_VARIANTS["vllm-allcores"])
     assert allcores["VLLM_CPU_NUM_OF_RESERVED_CPU"] == "0"
     assert "VLLM_CPU_OMP_THREADS_BIND" not in allcores
+    uni2 = peers.vllm_env(4, **peers.VLLM_VARIANTS["vllm-uni2"])
+    assert (uni2["OMP_NUM_THREADS"], uni2["VLLM_ENABLE_V1_MULTIPROCESSING"]) == ("2", "0")
 
 
 def test_onnx_export_plan_links_the_original_and_puts_the_graph_at_the_top() -> None:
@@ -433,8 +435,16 @@ def test_carpool_layouts_change_only_their_thread_knobs() -> None:
     small_user_config(shipped).pop("stream_interval_ms", None)
     assert held == shipped
 
+    # The two-thread variant changes only the small generator's executor and thread count.
+    two = copy.deepcopy(shipped)
+    peers.two_thread_layout(two)
+    vllm_two = peers.app_entry(two, "generate")["args"]["small"]["vllm"]
+    assert (vllm_two.pop("cpu_executor"), vllm_two.pop("cpu_threads")) == ("uni", 2)
+    assert two == shipped
+
     assert set(peers.CARPOOL_LAYOUTS) == {
         "carpool",
+        "carpool-uni2",
         "carpool-stream1s",
         "carpool-reserved",
         "carpool-allcores",
