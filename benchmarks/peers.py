@@ -1190,6 +1190,7 @@ CARPOOL_LAYOUTS: dict[str, Callable[[dict[str, Any]], None] | None] = {
     "carpool-allcores": allcores_layout,
     "carpool-mp": worker_process_layout,
     "carpool-uni2": two_thread_layout,
+    "carpool-uni2-haproxy": two_thread_layout,  # and Ray's HAProxy ingress (CARPOOL_RAY_ENV)
     "carpool-direct": streaming_layout(direct=True),
     "carpool-ingress": streaming_layout(direct=False),
     "carpool-harness-session": None,  # serve.yaml, Ray in the load generator's session
@@ -1204,6 +1205,7 @@ CARPOOL_LAYOUTS: dict[str, Callable[[dict[str, Any]], None] | None] = {
 # the replica's own loop, GC frozen after start): Ray's "high throughput" KubeRay guide sets both.
 CARPOOL_RAY_ENV: dict[str, dict[str, str]] = {
     "carpool-haproxy": {"RAY_SERVE_ENABLE_HA_PROXY": "1"},
+    "carpool-uni2-haproxy": {"RAY_SERVE_ENABLE_HA_PROXY": "1"},
     "carpool-throughput": {"RAY_SERVE_ENABLE_HA_PROXY": "1", "RAY_SERVE_THROUGHPUT_OPTIMIZED": "1"},
 }
 # carpool systems whose Ray shares the harness's session (carpool_cluster's own_session).

@@ -445,6 +445,7 @@ def test_carpool_layouts_change_only_their_thread_knobs() -> None:
     assert set(peers.CARPOOL_LAYOUTS) == {
         "carpool",
         "carpool-uni2",
+        "carpool-uni2-haproxy",
         "carpool-stream1s",
         "carpool-reserved",
         "carpool-allcores",
