@@ -1203,10 +1203,11 @@ CARPOOL_LAYOUTS: dict[str, Callable[[dict[str, Any]], None] | None] = {
 # ingress replicas' own HTTP servers (direct ingress) instead of through Serve's Python proxy.
 # carpool-throughput adds RAY_SERVE_THROUGHPUT_OPTIMIZED (gRPC between replicas, user code on
 # the replica's own loop, GC frozen after start): Ray's "high throughput" KubeRay guide sets both.
+HA_PROXY_ENV = {"RAY_SERVE_ENABLE_HA_PROXY": "1"}
 CARPOOL_RAY_ENV: dict[str, dict[str, str]] = {
-    "carpool-haproxy": {"RAY_SERVE_ENABLE_HA_PROXY": "1"},
-    "carpool-uni2-haproxy": {"RAY_SERVE_ENABLE_HA_PROXY": "1"},
-    "carpool-throughput": {"RAY_SERVE_ENABLE_HA_PROXY": "1", "RAY_SERVE_THROUGHPUT_OPTIMIZED": "1"},
+    "carpool-haproxy": HA_PROXY_ENV,
+    "carpool-uni2-haproxy": HA_PROXY_ENV,
+    "carpool-throughput": {**HA_PROXY_ENV, "RAY_SERVE_THROUGHPUT_OPTIMIZED": "1"},
 }
 # carpool systems whose Ray shares the harness's session (carpool_cluster's own_session).
 HARNESS_SESSION = frozenset({"carpool-harness-session"})

@@ -30,8 +30,15 @@ from typing import Any
 
 from benchmarks.stats import percentile
 
-PROMPTS_SEED = 0
-MAX_SEQ_LEN = 640  # as twin_validate's generation: 64 slots of 640 tokens
+# The calibration runs and sequence length of a twin_validate generation round (the report
+# reads this file as one), and its workload seed.
+from benchmarks.twin_validate import (
+    GEN_CALIB_LOADED_CLIENTS,
+    GEN_CALIB_REQUESTS,
+    GEN_MAX_SEQ_LEN,
+    SEED,
+)
+
 CONFIGS: dict[str, tuple[dict[str, Any], tuple[int, ...]]] = {
     # No collector in front of the engine: its arrivals reach the scheduler at once.
     "default": ({"max_num_seqs": 64, "max_batch_tokens": 512, "batch_wait_timeout_s": 0.0},
@@ -48,7 +55,7 @@ def make(model: Any, tokenizer: Any, knobs: dict[str, Any]) -> Any:
 
     info = TokenizerInfo.from_tokenizer(tokenizer, getattr(model, "generation_config", None))
     limits = SchedulerLimits(knobs["max_num_seqs"], knobs["max_batch_tokens"])
-    return make_engine("continuous", model, info, limits, MAX_SEQ_LEN)
+    return make_engine("continuous", model, info, limits, GEN_MAX_SEQ_LEN)
 
 
 def summarise(records: list[dict[str, float]], wall: float, steps: int) -> dict[str, Any]:
@@ -112,13 +119,20 @@ async def measure_config(
     from benchmarks.generation_compare import workload
 
     await engine.start()
-    await closed_loop(engine, prompt_ids, workload(4, 4, 4, PROMPTS_SEED), 4)  # warm-up
+    await closed_loop(engine, prompt_ids, workload(4, 4, 4, SEED), 4)  # warm-up
     out: dict[str, Any] = {
-        "calibrate": await closed_loop(engine, prompt_ids, workload(4, 32, 32, PROMPTS_SEED), 1),
-        "calibrate_8": await closed_loop(engine, prompt_ids, workload(16, 32, 32, PROMPTS_SEED), 8),
+        "calibrate": await closed_loop(
+            engine, prompt_ids, workload(GEN_CALIB_REQUESTS, 32, 32, SEED), 1
+        ),
+        "calibrate_8": await closed_loop(
+            engine,
+            prompt_ids,
+            workload(2 * GEN_CALIB_LOADED_CLIENTS, 32, 32, SEED),
+            GEN_CALIB_LOADED_CLIENTS,
+        ),
     }
     for clients in clients_list:
-        calls = workload(max(requests, clients), 8, 256, PROMPTS_SEED)
+        calls = workload(max(requests, clients), 8, 256, SEED)
         r = await closed_loop(engine, prompt_ids, calls, clients)
         out[str(clients)] = {**r, "requests": len(calls)}
         print(f"  {clients} clients: {r['tokens_per_s']:.1f} tokens/s, TTFT p50 "
@@ -153,7 +167,7 @@ def main(argv: list[str] | None = None) -> int:
     )
     prompt_ids = [tokenizer(t)["input_ids"] for t in PROMPTS]
     shared = {"model": Path(args.model_dir).name, "prompt_tokens": [len(x) for x in prompt_ids],
-              "max_seq_len": MAX_SEQ_LEN, "first_delta_tokens": [1] * len(PROMPTS),
+              "max_seq_len": GEN_MAX_SEQ_LEN, "first_delta_tokens": [1] * len(PROMPTS),
               "dtype": args.dtype, "threads": None}  # fmt: skip
     rounds: list[dict[str, Any]] = []
     for rnd in range(args.rounds):

@@ -120,6 +120,7 @@ def main(argv: list[str] | None = None) -> int:
     finally:
         cluster.shutdown()
     ratios = [r["p99_ratio"] for r in rounds]
+    wins = sum(1 for r in ratios if r < 1)
     doc = {
         "command": " ".join([".venv/bin/python -m benchmarks.twin_plan_check", *sys.argv[1:]]),
         "started": started,
@@ -129,8 +130,8 @@ def main(argv: list[str] | None = None) -> int:
         "planned_knobs": planned,
         "rounds": rounds,
         "p99_ratio_median": statistics.median(ratios),
-        "planned_better_rounds": sum(1 for r in ratios if r < 1),
-        "sign_test_p": sign_test_p(sum(1 for r in ratios if r < 1), len(ratios)),
+        "planned_better_rounds": wins,
+        "sign_test_p": sign_test_p(wins, len(ratios)),
         "ray_own_session": not args.harness_session,
     }
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)

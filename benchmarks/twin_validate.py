@@ -67,7 +67,7 @@ GEN_MAX_SEQ_LEN = 640
 # before: 16 at 4 clients and 32 at 16, where the p99 was the slowest of the first wave).
 GEN_REQUESTS = 64
 GEN_CALIB_REQUESTS = 4  # 1 client x 32 tokens each: the serving cost per engine step
-GEN_CALIB_LOADED_CLIENTS = 8  # and 8 clients x 2 requests: the cost of a step under load
+GEN_CALIB_LOADED_CLIENTS = 8  # and 8 clients, 2 requests each: a step's cost under load
 TRACE = "/work/shared/traces/AzureLLMInferenceTrace_conv.csv"
 MAX_LENGTH = 256  # all-MiniLM-L6-v2's max_seq_length: longer texts are truncated to it
 SEED = 0
