@@ -1150,6 +1150,17 @@ def two_thread_layout(config: dict[str, Any]) -> None:
     small.setdefault("vllm", {}).update(cpu_executor="uni", cpu_threads=2)
 
 
+def embedder_priority_layout(**replica: Any) -> Callable[[dict[str, Any]], None]:
+    """serve.yaml with the embedder's replica at a lower CPU priority (``replica.cpu_niceness``
+    or ``cpu_scheduling``), so on a contended core it yields to the generator's engine."""
+
+    def layout(config: dict[str, Any]) -> None:
+        embedder = app_entry(config, "embed")["args"]["embedder"]
+        embedder.setdefault("replica", {}).update(replica)
+
+    return layout
+
+
 def streaming_layout(direct: bool) -> Callable[[dict[str, Any]], None]:
     """serve.yaml with the generate app's HTTP served by a separate ingress deployment
     (``direct=False``) or by the small generator's replica itself (``direct=True``)."""
@@ -1195,6 +1206,9 @@ CARPOOL_LAYOUTS: dict[str, Callable[[dict[str, Any]], None] | None] = {
     "carpool-ingress": streaming_layout(direct=False),
     "carpool-harness-session": None,  # serve.yaml, Ray in the load generator's session
     "carpool-stream1s": stream_interval_layout(1000.0),
+    "carpool-embed-nice": embedder_priority_layout(cpu_niceness=4),
+    "carpool-embed-nice10": embedder_priority_layout(cpu_niceness=10),
+    "carpool-embed-idle": embedder_priority_layout(cpu_scheduling="idle"),
     "carpool-haproxy": None,  # serve.yaml behind Ray Serve's HAProxy ingress (CARPOOL_RAY_ENV)
     "carpool-throughput": None,  # and Ray Serve's throughput-optimized mode (CARPOOL_RAY_ENV)
 }

@@ -192,6 +192,27 @@ class ReplicaConfig(StrictModel):
         "cores this process may run on (CPU affinity, capped by its cgroup's CPU quota, v2 "
         "cpu.max or v1 cpu.cfs_quota_us, rounded down).",
     )
+    cpu_niceness: int = Field(
+        default=0,
+        ge=0,
+        le=19,
+        description="Nice levels this replica's own process (every thread, and any process "
+        "it starts later, such as vLLM's engine core) runs below where Ray started it; no "
+        "privilege needed, and it ends with the replica. Linux shares a busy core by weight: "
+        "on a core shared with one process at Ray's level, 4 levels leave this one about 30%, "
+        "10 about 10%; on idle cores it computes at full speed. Opt-in, off in every shipped "
+        "config: a lowered model waits while others keep every core busy (README, 'A model "
+        "that yields'). Only ever lowers carpool's own process. 0: Ray's level.",
+    )
+    cpu_scheduling: Literal["normal", "idle"] = Field(
+        default="normal",
+        description="Linux scheduling class of this replica's own process (every thread, and "
+        "processes it starts later). normal: SCHED_OTHER at cpu_niceness. idle: SCHED_IDLE "
+        "(weight 3 against 1024 at nice 0): on a contended core it takes only what other "
+        "processes leave, on idle cores it computes at full speed. Opt-in, off in every "
+        "shipped config: while others keep every core busy it is all but starved (README, "
+        "'A model that yields'). Only ever lowers carpool's own process; no privilege needed.",
+    )
     max_ongoing_requests: int | None = Field(
         default=None,
         ge=1,

@@ -38,6 +38,32 @@ def apply_ingress_priority(cpu_niceness: int, proxy_cpu_niceness: int) -> None:
         _warn_proxy_renice(proxy_cpu_niceness, pids)
 
 
+def apply_replica_priority(cpu_niceness: int, cpu_scheduling: str = "normal") -> None:
+    """Called first by a model deployment's Serve shell (``ReplicaConfig.cpu_niceness`` and
+    ``cpu_scheduling``), so every thread it starts and any process it spawns (vLLM's engine
+    core) inherit the level."""
+    if cpu_niceness:
+        lower_cpu_priority(cpu_niceness)
+    if cpu_scheduling == "idle":
+        idle_cpu_scheduling()
+
+
+def idle_cpu_scheduling() -> bool:
+    """Moves every thread of this process to SCHED_IDLE (new threads and processes inherit
+    it). Lowering a scheduling class needs no privilege; returns False where the OS refused."""
+    try:
+        tids = [int(t) for t in os.listdir("/proc/self/task")]
+        for tid in tids:
+            try:
+                os.sched_setscheduler(tid, os.SCHED_IDLE, os.sched_param(0))
+            except ProcessLookupError:  # the thread ended meanwhile
+                continue
+    except (OSError, AttributeError) as exc:
+        logger.warning("could not move this process to SCHED_IDLE (%s); it runs as is", exc)
+        return False
+    return True
+
+
 def lower_cpu_priority(levels: int) -> int | None:
     """Runs every thread of this process ``levels`` nice levels below where it started.
 
@@ -58,7 +84,7 @@ def lower_cpu_priority(levels: int) -> int | None:
             except ProcessLookupError:  # the thread ended meanwhile
                 continue
     except OSError as exc:
-        logger.warning("could not lower this ingress's CPU priority (%s); it runs as is", exc)
+        logger.warning("could not lower this process's CPU priority (%s); it runs as is", exc)
         return None
     return target
 

@@ -30,6 +30,7 @@ from carpool.models import (
     sentence_transformers_max_length,
     threaded_forward,
 )
+from carpool.priority import apply_replica_priority
 from carpool.server import BatchedModelServer
 from carpool.serving import ServeBatching, make_collector
 
@@ -286,10 +287,10 @@ class EmbeddingDeployment(ServeBatching, EmbeddingServer):
     _collect = make_collector()
 
     def __init__(self, config: dict) -> None:
+        cfg = EmbedderConfig.model_validate(config)
+        apply_replica_priority(cfg.replica.cpu_niceness, cfg.replica.cpu_scheduling)
         # On the GPUs Ray gave this replica, or a refusal naming the setting to change.
-        EmbeddingServer.__init__(
-            self, place_replica(EmbedderConfig.model_validate(config), "torch")
-        )
+        EmbeddingServer.__init__(self, place_replica(cfg, "torch"))
         self._init_serving(self.model.name)
 
 

@@ -49,6 +49,7 @@ from carpool.generation.structured import (
     compile_refusal,
 )
 from carpool.generation.vllm_env import check_replica_environment
+from carpool.priority import apply_replica_priority
 from deployments.generator_config import (
     DEADLINE_GRACE_S,
     GenerationLimits,
@@ -430,6 +431,9 @@ class GeneratorDeployment(GeneratorServer):
 
     def __init__(self, config: dict) -> None:
         cfg = GeneratorConfig.model_validate(config)
+        apply_replica_priority(
+            cfg.replica.cpu_niceness, cfg.replica.cpu_scheduling
+        )  # before vLLM's engine core starts
         if cfg.mode == "vllm":  # on this node: the builder's Python and Ray, and vLLM here
             check_replica_environment()
         # On the GPUs Ray gave this replica, or a refusal naming the setting to change.

@@ -29,6 +29,7 @@ from carpool.config import BatchingConfig, ModelSourceConfig, ReplicaConfig, Str
 from carpool.devices import place_replica
 from carpool.errors import RequestError
 from carpool.models import load_pretrained, threaded_forward
+from carpool.priority import apply_replica_priority
 from carpool.server import BatchedModelServer
 from carpool.serving import ServeBatching, make_collector
 
@@ -334,8 +335,10 @@ class RankingDeployment(ServeBatching, RankingServer):
     _collect = make_collector()
 
     def __init__(self, config: dict) -> None:
+        cfg = RankerConfig.model_validate(config)
+        apply_replica_priority(cfg.replica.cpu_niceness, cfg.replica.cpu_scheduling)
         # On the GPUs Ray gave this replica, or a refusal naming the setting to change.
-        RankingServer.__init__(self, place_replica(RankerConfig.model_validate(config), "torch"))
+        RankingServer.__init__(self, place_replica(cfg, "torch"))
         self._init_serving(self.scorer.name)
 
 

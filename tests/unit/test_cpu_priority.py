@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -197,3 +198,141 @@ def test_no_shipped_config_renices_rays_proxy(path: str) -> None:
         # As the ingress will run it: what the config sets, else the default.
         ingress = IngressConfig.model_validate((app.get("args") or {}).get("ingress") or {})
         assert ingress.proxy_cpu_niceness == 0, f"{path}: {app['name']} renices Ray's proxy"
+
+
+REPLICA_SCRIPT = """
+import json, multiprocessing, os, sys
+from carpool.priority import apply_replica_priority
+
+def report(queue):
+    queue.put(os.getpriority(os.PRIO_PROCESS, 0))
+
+if __name__ == "__main__":
+    start = os.getpriority(os.PRIO_PROCESS, 0)
+    apply_replica_priority(0)  # the default: nothing changes
+    unchanged = os.getpriority(os.PRIO_PROCESS, 0)
+    apply_replica_priority(int(sys.argv[1]))
+    # A process started afterwards, the way vLLM starts its engine core: spawned, not forked.
+    ctx = multiprocessing.get_context("spawn")
+    queue = ctx.Queue()
+    child = ctx.Process(target=report, args=(queue,))
+    child.start()
+    child_nice = queue.get(timeout=60)
+    child.join()
+    print(json.dumps({"start": start, "unchanged": unchanged,
+                      "own": os.getpriority(os.PRIO_PROCESS, 0), "child": child_nice}))
+"""
+
+
+@pytest.mark.skipif(not Path("/proc/self/task").is_dir(), reason="needs Linux /proc")
+def test_a_replica_niceness_reaches_the_processes_it_starts_later(tmp_path: Path) -> None:
+    script = tmp_path / "replica.py"
+    script.write_text(REPLICA_SCRIPT)
+    out = subprocess.run(
+        [sys.executable, str(script), "4"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=True,
+        cwd=ROOT,
+        env={"PYTHONPATH": str(ROOT), "PATH": "/usr/bin:/bin"},
+    )
+    result = json.loads(out.stdout.strip().splitlines()[-1])
+    expected = min(19, result["start"] + 4)
+    assert result["unchanged"] == result["start"]
+    assert result["own"] == result["child"] == expected
+
+
+class _Placed(Exception):
+    """Stops a deployment shell where it would start loading the model."""
+
+
+@pytest.mark.parametrize("stage", ["embedder", "ranker", "generator"])
+def test_every_model_shell_lowers_itself_before_placing_the_model(
+    stage: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import deployments.embedder as embedder
+    import deployments.generator as generator
+    import deployments.ranker as ranker
+
+    module, shell = {
+        "embedder": (embedder, embedder.EmbeddingDeployment),
+        "ranker": (ranker, ranker.RankingDeployment),
+        "generator": (generator, generator.GeneratorDeployment),
+    }[stage]
+    events: list[tuple[str, int]] = []
+
+    def place(config: object, engine: str) -> None:
+        events.append(("place", 0))
+        raise _Placed
+
+    monkeypatch.setattr(
+        module, "apply_replica_priority", lambda n, policy: events.append((policy, n))
+    )
+    monkeypatch.setattr(module, "place_replica", place)
+    config = {"replica": {"num_cpus": 0.5, "cpu_niceness": 3, "cpu_scheduling": "idle"}}
+    if stage == "generator":
+        config["mode"] = "continuous"
+    with pytest.raises(_Placed):
+        shell(config)
+    assert events == [("idle", 3), ("place", 0)]
+
+
+def test_replica_niceness_is_bounded_and_off_by_default() -> None:
+    from pydantic import ValidationError
+
+    from carpool.config import ReplicaConfig
+
+    assert ReplicaConfig().cpu_niceness == 0
+    assert ReplicaConfig(cpu_niceness=4).cpu_niceness == 4
+    for bad in (-1, 20):
+        with pytest.raises(ValidationError, match="cpu_niceness"):
+            ReplicaConfig(cpu_niceness=bad)
+
+
+IDLE_SCRIPT = """
+import json, multiprocessing, os, threading
+from carpool.priority import apply_replica_priority
+
+def report(queue):
+    queue.put(os.sched_getscheduler(0))
+
+if __name__ == "__main__":
+    before = os.sched_getscheduler(0)
+    stop = threading.Event()
+    worker = threading.Thread(target=stop.wait)  # exists before the call
+    worker.start()
+    apply_replica_priority(0, "idle")
+    ctx = multiprocessing.get_context("spawn")
+    queue = ctx.Queue()
+    child = ctx.Process(target=report, args=(queue,))
+    child.start()
+    child_policy = queue.get(timeout=60)
+    child.join()
+    threads = {t: os.sched_getscheduler(int(t)) for t in os.listdir("/proc/self/task")}
+    stop.set()
+    print(json.dumps({"before": before, "idle": os.SCHED_IDLE, "child": child_policy,
+                      "threads": threads}))
+"""
+
+
+@pytest.mark.skipif(not hasattr(os, "SCHED_IDLE"), reason="needs Linux scheduling classes")
+def test_an_idle_replica_moves_every_thread_and_later_processes_to_sched_idle(
+    tmp_path: Path,
+) -> None:
+    script = tmp_path / "idle.py"
+    script.write_text(IDLE_SCRIPT)
+    out = subprocess.run(
+        [sys.executable, str(script)],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=True,
+        cwd=ROOT,
+        env={"PYTHONPATH": str(ROOT), "PATH": "/usr/bin:/bin"},
+    )
+    result = json.loads(out.stdout.strip().splitlines()[-1])
+    assert result["before"] != result["idle"]  # the runner's class: a change to observe
+    assert len(result["threads"]) >= 2
+    assert set(result["threads"].values()) == {result["idle"]}
+    assert result["child"] == result["idle"]

@@ -442,8 +442,28 @@ def test_carpool_layouts_change_only_their_thread_knobs() -> None:
     assert (vllm_two.pop("cpu_executor"), vllm_two.pop("cpu_threads")) == ("uni", 2)
     assert two == shipped
 
+    # The embedder-priority variants change only the embedder's replica priority fields.
+    from deployments.embedder import EmbedderConfig
+
+    for name, field, value in (
+        ("carpool-embed-nice", "cpu_niceness", 4),
+        ("carpool-embed-nice10", "cpu_niceness", 10),
+        ("carpool-embed-idle", "cpu_scheduling", "idle"),
+    ):
+        lowered = copy.deepcopy(shipped)
+        layout = peers.CARPOOL_LAYOUTS[name]
+        assert layout is not None
+        layout(lowered)
+        embedder = peers.app_entry(lowered, "embed")["args"]["embedder"]
+        assert getattr(EmbedderConfig.model_validate(embedder).replica, field) == value
+        assert embedder["replica"].pop(field) == value
+        assert lowered == shipped
+
     assert set(peers.CARPOOL_LAYOUTS) == {
         "carpool",
+        "carpool-embed-nice",
+        "carpool-embed-nice10",
+        "carpool-embed-idle",
         "carpool-uni2",
         "carpool-uni2-haproxy",
         "carpool-stream1s",
