@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import json
 import random
+from pathlib import Path
 
 import httpx
 import numpy as np
@@ -24,7 +25,8 @@ def _embed_args(models: dict[str, str], **batching: object) -> dict:
     return {
         "embedder": {
             "source": {"model": models["encoder"], "max_length": 64},
-            "replica": {"num_cpus": 0.5},
+            # One level below Ray's: the test below finds it on the replica's process.
+            "replica": {"num_cpus": 0.5, "cpu_niceness": 1},
             "batching": {**BATCHING, **batching},
         }
     }
@@ -50,6 +52,30 @@ def apps(serve_http: str, tiny_models: dict[str, str]):
     yield serve_http
     serve.delete("it-embed")
     serve.delete("it-rank")
+
+
+def _replica_niceness(title: str) -> list[int]:
+    """Niceness of every process whose title (Ray sets ``ray::ServeReplica:<app>:<name>``)
+    holds ``title``."""
+    found = []
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            cmdline = (entry / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+            if title in cmdline:
+                found.append(int((entry / "stat").read_text().rsplit(")", 1)[1].split()[16]))
+        except (OSError, IndexError, ValueError):  # ended meanwhile, or not ours to read
+            continue
+    return found
+
+
+@pytest.mark.skipif(not Path("/proc/self/stat").is_file(), reason="needs Linux /proc")
+def test_a_replica_runs_at_the_niceness_its_config_asks(apps: str) -> None:
+    embedder = _replica_niceness("ServeReplica:it-embed:embedder")
+    ranker = _replica_niceness("ServeReplica:it-rank:ranker")  # replica.cpu_niceness unset
+    assert len(embedder) == 1 and len(ranker) == 1, (embedder, ranker)
+    assert embedder[0] == min(19, ranker[0] + 1)
 
 
 async def _post_many(url: str, bodies: list[dict]) -> list[httpx.Response]:
