@@ -25,11 +25,12 @@ import asyncio
 import json
 import os
 import statistics
-import subprocess
 import sys
 import time
 from pathlib import Path
 from typing import Any
+
+from benchmarks.vllm_executor import child_result
 
 MODEL = Path("~/.cache/carpool/models/SmolLM2-135M-Instruct").expanduser()
 VARIANTS = ("server", "carpool", "carpool-nologprobs", "carpool-fcfs")
@@ -96,11 +97,7 @@ def run_one(variant: str, args: argparse.Namespace) -> dict[str, Any]:
     env["OMP_NUM_THREADS"] = "1"
     cmd = [sys.executable, "-m", "benchmarks.vllm_engine_args", "--child", variant]
     cmd += ["--clients", str(args.clients), "--max-tokens", str(args.max_tokens)]
-    out = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=900)
-    for line in out.stdout.splitlines():
-        if line.startswith("RESULT "):
-            return json.loads(line[len("RESULT ") :])
-    raise RuntimeError(f"{variant} run failed:\n{out.stderr[-3000:]}")
+    return child_result(cmd, env, variant)
 
 
 def main(argv: list[str] | None = None) -> int:

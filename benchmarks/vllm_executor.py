@@ -99,11 +99,16 @@ def run_one(executor: str, args: argparse.Namespace) -> dict[str, Any]:
     cmd = [sys.executable, "-m", "benchmarks.vllm_executor", "--child", executor]
     cmd += ["--clients", str(args.clients), "--max-tokens", str(args.max_tokens)]
     cmd += ["--threads", str(args.threads)]
+    return child_result(cmd, env, executor)
+
+
+def child_result(cmd: list[str], env: dict[str, str], name: str) -> dict[str, Any]:
+    """Runs one measuring child (a fresh engine per run) and returns its ``RESULT`` line."""
     out = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=900)
     for line in out.stdout.splitlines():
         if line.startswith("RESULT "):
             return json.loads(line[len("RESULT ") :])
-    raise RuntimeError(f"{executor} run failed:\n{out.stderr[-3000:]}")
+    raise RuntimeError(f"{name} run failed:\n{out.stderr[-3000:]}")
 
 
 def main(argv: list[str] | None = None) -> int:

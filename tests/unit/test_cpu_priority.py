@@ -171,6 +171,14 @@ def test_an_opted_in_proxy_renice_warns_loudly_once_per_process(
     assert "proxy_cpu_niceness: 0" in warnings[0].message
 
 
+SHIPPED_CONFIGS = [
+    "serve.yaml",
+    "serve-gpu.yaml",
+    "docs/kuberay/rayservice.yaml",
+    "docs/kuberay/rayservice-gpu.yaml",
+]
+
+
 def _applications(path: str) -> list[dict]:
     for doc in yaml.safe_load_all((ROOT / path).read_text()):
         if doc and doc.get("kind") == "RayService":  # its serve config is a YAML string
@@ -180,15 +188,7 @@ def _applications(path: str) -> list[dict]:
     raise AssertionError(f"{path} has no serve applications")
 
 
-@pytest.mark.parametrize(
-    "path",
-    [
-        "serve.yaml",
-        "serve-gpu.yaml",
-        "docs/kuberay/rayservice.yaml",
-        "docs/kuberay/rayservice-gpu.yaml",
-    ],
-)
+@pytest.mark.parametrize("path", SHIPPED_CONFIGS)
 def test_no_shipped_config_renices_rays_proxy(path: str) -> None:
     from carpool.config import IngressConfig
 
@@ -201,35 +201,44 @@ def test_no_shipped_config_renices_rays_proxy(path: str) -> None:
 
 
 REPLICA_SCRIPT = """
-import json, multiprocessing, os, sys
+import json, multiprocessing, os, sys, threading
 from carpool.priority import apply_replica_priority
 
+def state(tid=0):
+    return [os.getpriority(os.PRIO_PROCESS, tid), os.sched_getscheduler(tid)]
+
 def report(queue):
-    queue.put(os.getpriority(os.PRIO_PROCESS, 0))
+    queue.put(state())
 
 if __name__ == "__main__":
-    start = os.getpriority(os.PRIO_PROCESS, 0)
+    start = state()
+    stop = threading.Event()
+    worker = threading.Thread(target=stop.wait)  # a thread that exists before the call
+    worker.start()
     apply_replica_priority(0)  # the default: nothing changes
-    unchanged = os.getpriority(os.PRIO_PROCESS, 0)
-    apply_replica_priority(int(sys.argv[1]))
+    unchanged = state()
+    apply_replica_priority(int(sys.argv[1]), sys.argv[2])
     # A process started afterwards, the way vLLM starts its engine core: spawned, not forked.
     ctx = multiprocessing.get_context("spawn")
     queue = ctx.Queue()
     child = ctx.Process(target=report, args=(queue,))
     child.start()
-    child_nice = queue.get(timeout=60)
+    child_state = queue.get(timeout=60)
     child.join()
-    print(json.dumps({"start": start, "unchanged": unchanged,
-                      "own": os.getpriority(os.PRIO_PROCESS, 0), "child": child_nice}))
+    threads = [state(int(t)) for t in os.listdir("/proc/self/task")]
+    stop.set()
+    print(json.dumps({"start": start, "unchanged": unchanged, "threads": threads,
+                      "child": child_state, "idle": os.SCHED_IDLE}))
 """
 
 
-@pytest.mark.skipif(not Path("/proc/self/task").is_dir(), reason="needs Linux /proc")
-def test_a_replica_niceness_reaches_the_processes_it_starts_later(tmp_path: Path) -> None:
+def _run_replica(tmp_path: Path, niceness: int, scheduling: str) -> dict:
+    """Applies a replica priority in a child process (spawn needs a file, and the runner's
+    own priority must stay as it is) and returns what its threads and its child run at."""
     script = tmp_path / "replica.py"
     script.write_text(REPLICA_SCRIPT)
     out = subprocess.run(
-        [sys.executable, str(script), "4"],
+        [sys.executable, str(script), str(niceness), scheduling],
         capture_output=True,
         text=True,
         timeout=120,
@@ -238,9 +247,30 @@ def test_a_replica_niceness_reaches_the_processes_it_starts_later(tmp_path: Path
         env={"PYTHONPATH": str(ROOT), "PATH": "/usr/bin:/bin"},
     )
     result = json.loads(out.stdout.strip().splitlines()[-1])
-    expected = min(19, result["start"] + 4)
     assert result["unchanged"] == result["start"]
-    assert result["own"] == result["child"] == expected
+    assert len(result["threads"]) >= 2
+    return result
+
+
+@pytest.mark.skipif(not Path("/proc/self/task").is_dir(), reason="needs Linux /proc")
+def test_a_replica_niceness_reaches_its_threads_and_the_processes_it_starts_later(
+    tmp_path: Path,
+) -> None:
+    result = _run_replica(tmp_path, 4, "normal")
+    lowered = [min(19, result["start"][0] + 4), result["start"][1]]
+    assert all(t == lowered for t in result["threads"])
+    assert result["child"] == lowered
+
+
+@pytest.mark.skipif(not hasattr(os, "SCHED_IDLE"), reason="needs Linux scheduling classes")
+def test_an_idle_replica_moves_every_thread_and_later_processes_to_sched_idle(
+    tmp_path: Path,
+) -> None:
+    result = _run_replica(tmp_path, 0, "idle")
+    assert result["start"][1] != result["idle"]  # the runner's class: a change to observe
+    idle = [result["start"][0], result["idle"]]
+    assert all(t == idle for t in result["threads"])
+    assert result["child"] == idle
 
 
 class _Placed(Exception):
@@ -290,49 +320,20 @@ def test_replica_niceness_is_bounded_and_off_by_default() -> None:
             ReplicaConfig(cpu_niceness=bad)
 
 
-IDLE_SCRIPT = """
-import json, multiprocessing, os, threading
-from carpool.priority import apply_replica_priority
+@pytest.mark.parametrize("path", SHIPPED_CONFIGS)
+def test_no_shipped_config_lowers_a_model_replica(path: str) -> None:
+    # Opt-in only (README, "A model that yields"): a lowered model starves while others
+    # keep every core busy. Ingress niceness (IngressConfig.cpu_niceness) is another field.
+    def replicas(node: object) -> list[dict]:
+        if isinstance(node, dict):
+            found = [node["replica"]] if isinstance(node.get("replica"), dict) else []
+            return found + [r for v in node.values() for r in replicas(v)]
+        if isinstance(node, list):
+            return [r for v in node for r in replicas(v)]
+        return []
 
-def report(queue):
-    queue.put(os.sched_getscheduler(0))
-
-if __name__ == "__main__":
-    before = os.sched_getscheduler(0)
-    stop = threading.Event()
-    worker = threading.Thread(target=stop.wait)  # exists before the call
-    worker.start()
-    apply_replica_priority(0, "idle")
-    ctx = multiprocessing.get_context("spawn")
-    queue = ctx.Queue()
-    child = ctx.Process(target=report, args=(queue,))
-    child.start()
-    child_policy = queue.get(timeout=60)
-    child.join()
-    threads = {t: os.sched_getscheduler(int(t)) for t in os.listdir("/proc/self/task")}
-    stop.set()
-    print(json.dumps({"before": before, "idle": os.SCHED_IDLE, "child": child_policy,
-                      "threads": threads}))
-"""
-
-
-@pytest.mark.skipif(not hasattr(os, "SCHED_IDLE"), reason="needs Linux scheduling classes")
-def test_an_idle_replica_moves_every_thread_and_later_processes_to_sched_idle(
-    tmp_path: Path,
-) -> None:
-    script = tmp_path / "idle.py"
-    script.write_text(IDLE_SCRIPT)
-    out = subprocess.run(
-        [sys.executable, str(script)],
-        capture_output=True,
-        text=True,
-        timeout=120,
-        check=True,
-        cwd=ROOT,
-        env={"PYTHONPATH": str(ROOT), "PATH": "/usr/bin:/bin"},
-    )
-    result = json.loads(out.stdout.strip().splitlines()[-1])
-    assert result["before"] != result["idle"]  # the runner's class: a change to observe
-    assert len(result["threads"]) >= 2
-    assert set(result["threads"].values()) == {result["idle"]}
-    assert result["child"] == result["idle"]
+    models = replicas(_applications(path))
+    assert models, f"{path}: no model replica settings found"
+    for replica in models:
+        assert replica.get("cpu_niceness", 0) == 0, f"{path}: {replica}"
+        assert replica.get("cpu_scheduling", "normal") == "normal", f"{path}: {replica}"
