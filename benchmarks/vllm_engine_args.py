@@ -23,20 +23,18 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
-import os
 import statistics
 import sys
 import time
 from pathlib import Path
 from typing import Any
 
-from benchmarks.vllm_executor import child_result
+from benchmarks.vllm_executor import MODEL, child_env, child_result
 
-MODEL = Path("~/.cache/carpool/models/SmolLM2-135M-Instruct").expanduser()
 VARIANTS = ("server", "carpool", "carpool-nologprobs", "carpool-fcfs")
 
 
-def variant_args(variant: str, clients: int, max_tokens: int) -> tuple[dict, dict]:
+def variant_args(variant: str, max_tokens: int) -> tuple[dict, dict]:
     """(AsyncEngineArgs kwargs, SamplingParams kwargs) for one variant."""
     base = {
         "model": str(MODEL),
@@ -52,8 +50,7 @@ def variant_args(variant: str, clients: int, max_tokens: int) -> tuple[dict, dic
     from carpool.generation.sampling import SamplingParams as CarpoolParams
     from carpool.generation.vllm_options import VllmOptions, engine_args, sampling_kwargs
 
-    options = VllmOptions(max_num_seqs=64)
-    engine = engine_args(options, str(MODEL), 2048, 64, "float32")
+    engine = engine_args(VllmOptions(), str(MODEL), 2048, 64, "float32")  # serve.yaml's 64
     engine["disable_log_stats"] = True  # carpool passes a stat logger of its own instead
     params = CarpoolParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
     sampling = sampling_kwargs(params, frozenset())
@@ -69,7 +66,7 @@ async def measure(variant: str, clients: int, max_tokens: int) -> dict[str, Any]
     from vllm.engine.arg_utils import AsyncEngineArgs
     from vllm.v1.engine.async_llm import AsyncLLM
 
-    engine_kwargs, sampling = variant_args(variant, clients, max_tokens)
+    engine_kwargs, sampling = variant_args(variant, max_tokens)
     engine = AsyncLLM.from_engine_args(AsyncEngineArgs(**engine_kwargs))
     params = SamplingParams(**sampling)
     priority = engine_kwargs.get("scheduling_policy") == "priority"
@@ -92,9 +89,7 @@ async def measure(variant: str, clients: int, max_tokens: int) -> dict[str, Any]
 
 
 def run_one(variant: str, args: argparse.Namespace) -> dict[str, Any]:
-    env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "4", "VLLM_NO_USAGE_STATS": "1"}
-    env["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"  # else vLLM-CPU forces the worker process
-    env["OMP_NUM_THREADS"] = "1"
+    env = child_env("uni", 1)
     cmd = [sys.executable, "-m", "benchmarks.vllm_engine_args", "--child", variant]
     cmd += ["--clients", str(args.clients), "--max-tokens", str(args.max_tokens)]
     return child_result(cmd, env, variant)

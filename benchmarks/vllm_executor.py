@@ -92,14 +92,21 @@ def child(args: argparse.Namespace) -> int:
 
 
 def run_one(executor: str, args: argparse.Namespace) -> dict[str, Any]:
-    env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "4", "VLLM_NO_USAGE_STATS": "1"}
-    if executor == "uni":
-        env["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"  # else vLLM-CPU forces the worker process
-        env["OMP_NUM_THREADS"] = str(args.threads)
+    env = child_env(executor, args.threads)
     cmd = [sys.executable, "-m", "benchmarks.vllm_executor", "--child", executor]
     cmd += ["--clients", str(args.clients), "--max-tokens", str(args.max_tokens)]
     cmd += ["--threads", str(args.threads)]
     return child_result(cmd, env, executor)
+
+
+def child_env(executor: str, threads: int) -> dict[str, str]:
+    """A measuring child's environment: vLLM-CPU's KV cache, and for ``uni`` the model in
+    the engine-core process on ``threads`` OpenMP threads."""
+    env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "4", "VLLM_NO_USAGE_STATS": "1"}
+    if executor == "uni":
+        env["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"  # else vLLM-CPU forces the worker process
+        env["OMP_NUM_THREADS"] = str(threads)
+    return env
 
 
 def child_result(cmd: list[str], env: dict[str, str], name: str) -> dict[str, Any]:

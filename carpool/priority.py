@@ -19,6 +19,7 @@ import logging
 import math
 import os
 import time
+from collections.abc import Callable
 
 logger = logging.getLogger(__name__)
 
@@ -52,16 +53,22 @@ def idle_cpu_scheduling() -> bool:
     """Moves every thread of this process to SCHED_IDLE (new threads and processes inherit
     it). Lowering a scheduling class needs no privilege; returns False where the OS refused."""
     try:
-        tids = [int(t) for t in os.listdir("/proc/self/task")]
-        for tid in tids:
-            try:
-                os.sched_setscheduler(tid, os.SCHED_IDLE, os.sched_param(0))
-            except ProcessLookupError:  # the thread ended meanwhile
-                continue
+        _each_thread(lambda tid: os.sched_setscheduler(tid, os.SCHED_IDLE, os.sched_param(0)))
     except (OSError, AttributeError) as exc:
         logger.warning("could not move this process to SCHED_IDLE (%s); it runs as is", exc)
         return False
     return True
+
+
+def _each_thread(apply: Callable[[int], object]) -> None:
+    """Calls ``apply`` with every thread id of this process (0, this thread, without /proc):
+    Linux keeps priority and scheduling class per thread."""
+    tids = [int(t) for t in os.listdir("/proc/self/task")] if os.path.isdir("/proc") else [0]
+    for tid in tids:
+        try:
+            apply(tid)
+        except ProcessLookupError:  # the thread ended meanwhile
+            continue
 
 
 def lower_cpu_priority(levels: int) -> int | None:
@@ -77,12 +84,7 @@ def lower_cpu_priority(levels: int) -> int | None:
         if _base_niceness is None:
             _base_niceness = os.getpriority(os.PRIO_PROCESS, 0)
         target = min(19, _base_niceness + levels)
-        tids = [int(t) for t in os.listdir("/proc/self/task")] if os.path.isdir("/proc") else [0]
-        for tid in tids:
-            try:
-                os.setpriority(os.PRIO_PROCESS, tid, target)
-            except ProcessLookupError:  # the thread ended meanwhile
-                continue
+        _each_thread(lambda tid: os.setpriority(os.PRIO_PROCESS, tid, target))
     except OSError as exc:
         logger.warning("could not lower this process's CPU priority (%s); it runs as is", exc)
         return None

@@ -431,9 +431,8 @@ class GeneratorDeployment(GeneratorServer):
 
     def __init__(self, config: dict) -> None:
         cfg = GeneratorConfig.model_validate(config)
-        apply_replica_priority(
-            cfg.replica.cpu_niceness, cfg.replica.cpu_scheduling
-        )  # before vLLM's engine core starts
+        # Before vLLM's engine core starts: it inherits the level.
+        apply_replica_priority(cfg.replica.cpu_niceness, cfg.replica.cpu_scheduling)
         if cfg.mode == "vllm":  # on this node: the builder's Python and Ray, and vLLM here
             check_replica_environment()
         # On the GPUs Ray gave this replica, or a refusal naming the setting to change.

@@ -7,7 +7,7 @@ from benchmarks.vllm_engine_args import VARIANTS, variant_args
 
 
 def test_server_variant_asks_for_nothing_carpool_adds() -> None:
-    engine, sampling = variant_args("server", 64, 128)
+    engine, sampling = variant_args("server", 128)
     assert engine["distributed_executor_backend"] == "uni"
     assert "scheduling_policy" not in engine and "max_num_seqs" not in engine
     assert "logprobs" not in sampling
@@ -15,17 +15,17 @@ def test_server_variant_asks_for_nothing_carpool_adds() -> None:
 
 
 def test_carpool_variants_come_from_carpools_builders_with_one_change_each() -> None:
-    engine, sampling = variant_args("carpool", 64, 128)
+    engine, sampling = variant_args("carpool", 128)
     assert engine["scheduling_policy"] == "priority"
     assert engine["logprobs_mode"] == "processed_logprobs"
     assert engine["max_num_seqs"] == 64
     assert sampling["logprobs"] == 0 and sampling["temperature"] == 0.0
-    no_lp_engine, no_lp = variant_args("carpool-nologprobs", 64, 128)
+    no_lp_engine, no_lp = variant_args("carpool-nologprobs", 128)
     assert no_lp["logprobs"] is None and no_lp_engine == engine
     assert {k: v for k, v in no_lp.items() if k != "logprobs"} == {
         k: v for k, v in sampling.items() if k != "logprobs"
     }
-    fcfs_engine, fcfs = variant_args("carpool-fcfs", 64, 128)
+    fcfs_engine, fcfs = variant_args("carpool-fcfs", 128)
     assert fcfs_engine["scheduling_policy"] == "fcfs" and fcfs == sampling
     assert {k: v for k, v in fcfs_engine.items() if k != "scheduling_policy"} == {
         k: v for k, v in engine.items() if k != "scheduling_policy"
