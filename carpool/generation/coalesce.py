@@ -10,6 +10,7 @@ on its own is what kept carpool behind vLLM's server. A choice's first text goes
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 
 from carpool.generation.sequence import SeqEvent
 
@@ -17,14 +18,15 @@ from carpool.generation.sequence import SeqEvent
 class StreamCoalescer:
     """Per choice, the events not sent yet; lets them out by the stream interval."""
 
-    def __init__(self, tokens: int, ms: float) -> None:
+    def __init__(self, tokens: int, ms: float, clock: Callable[[], float] = time.monotonic) -> None:
         self.tokens = tokens
         self.s = ms / 1000
+        self._clock = clock
         self._held: dict[int, list[SeqEvent]] = {}
         self._sent_at: dict[int, float] = {}
 
     def add(self, events: list[SeqEvent]) -> list[SeqEvent]:
-        now = time.monotonic()
+        now = self._clock()
         for event in events:
             self._held.setdefault(event.index, []).append(event)
         out = []
