@@ -1152,7 +1152,8 @@ def two_thread_layout(config: dict[str, Any]) -> None:
 
 def embedder_priority_layout(**replica: Any) -> Callable[[dict[str, Any]], None]:
     """serve.yaml with the embedder's replica at a lower CPU priority (``replica.cpu_niceness``
-    or ``cpu_scheduling``), so on a contended core it yields to the generator's engine."""
+    or ``cpu_scheduling``), so on a contended core it yields to the generator's engine, or on
+    one core (``cpu_cores``), so the engine's thread has the other to itself."""
 
     def layout(config: dict[str, Any]) -> None:
         embedder = app_entry(config, "embed")["args"]["embedder"]
@@ -1209,6 +1210,8 @@ CARPOOL_LAYOUTS: dict[str, Callable[[dict[str, Any]], None] | None] = {
     "carpool-embed-nice": embedder_priority_layout(cpu_niceness=4),
     "carpool-embed-nice10": embedder_priority_layout(cpu_niceness=10),
     "carpool-embed-idle": embedder_priority_layout(cpu_scheduling="idle"),
+    "carpool-embed-core1": embedder_priority_layout(cpu_cores=[1]),
+    "carpool-embed-core1-nice": embedder_priority_layout(cpu_cores=[1], cpu_niceness=4),
     "carpool-haproxy": None,  # serve.yaml behind Ray Serve's HAProxy ingress (CARPOOL_RAY_ENV)
     "carpool-throughput": None,  # and Ray Serve's throughput-optimized mode (CARPOOL_RAY_ENV)
 }

@@ -8,7 +8,7 @@ calls ``reconfigure()`` on the live replicas, same process).
 from __future__ import annotations
 
 import math
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
@@ -212,6 +212,18 @@ class ReplicaConfig(StrictModel):
         "processes leave, on idle cores it computes at full speed. Opt-in, off in every "
         "shipped config: while others keep every core busy it is all but starved (README, "
         "'A model that yields'). Only ever lowers carpool's own process; no privilege needed.",
+    )
+    cpu_cores: list[Annotated[int, Field(ge=0, le=65_535)]] | None = Field(
+        default=None,
+        min_length=1,
+        max_length=1024,
+        description="Opt-in CPU affinity: the core ids this replica's own process (every "
+        "thread, and any process it starts later, such as vLLM's engine core) runs on, e.g. "
+        "[1] to keep an embedder off the core a generator computes on. Each must be one this "
+        "replica may already use (its affinity, a pod's cpuset), else the replica refuses to "
+        "start naming them. With thread_policy idle_cores the pass never takes more threads "
+        "than these cores. Core ids are node-specific: off (null, every allowed core) by "
+        "default and in every shipped config (README, 'A model that yields').",
     )
     max_ongoing_requests: int | None = Field(
         default=None,

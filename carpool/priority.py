@@ -1,4 +1,5 @@
-"""CPU priority of an ingress: its own process, and (opt-in only) Ray Serve's HTTP proxy.
+"""CPU priority of an ingress: its own process, and (opt-in only) Ray Serve's HTTP proxy;
+and of a model replica (opt-in only): its niceness, scheduling class and cores.
 
 An ingress parses, validates and refuses; under overload all of that is the excess, and on a
 node where it shares cores with model replicas it competes with them for CPU. So it may run
@@ -39,14 +40,36 @@ def apply_ingress_priority(cpu_niceness: int, proxy_cpu_niceness: int) -> None:
         _warn_proxy_renice(proxy_cpu_niceness, pids)
 
 
-def apply_replica_priority(cpu_niceness: int, cpu_scheduling: str = "normal") -> None:
-    """Called first by a model deployment's Serve shell (``ReplicaConfig.cpu_niceness`` and
-    ``cpu_scheduling``), so every thread it starts and any process it spawns (vLLM's engine
-    core) inherit the level."""
+def apply_replica_priority(
+    cpu_niceness: int, cpu_scheduling: str = "normal", cpu_cores: list[int] | None = None
+) -> None:
+    """Called first by a model deployment's Serve shell (``ReplicaConfig.cpu_niceness``,
+    ``cpu_scheduling`` and ``cpu_cores``), so every thread it starts and any process it
+    spawns (vLLM's engine core) inherit the level and the cores."""
+    if cpu_cores:
+        bind_cpu_cores(cpu_cores)
     if cpu_niceness:
         lower_cpu_priority(cpu_niceness)
     if cpu_scheduling == "idle":
         idle_cpu_scheduling()
+
+
+def bind_cpu_cores(cores: list[int]) -> set[int]:
+    """Runs every thread of this process on ``cores`` only (new threads and processes
+    inherit a thread's affinity). Only narrows what this process may already use: a core
+    outside it (another pod's, or one the machine does not have) is refused with a
+    ValueError naming the field, as the replica would otherwise run somewhere it was not
+    told to. Returns the cores set."""
+    wanted = set(cores)
+    allowed = os.sched_getaffinity(0)
+    outside = sorted(wanted - allowed)
+    if outside:
+        raise ValueError(
+            f"replica.cpu_cores names cores {outside} this replica may not run on; it may use "
+            f"{sorted(allowed)}: pick from those, or remove cpu_cores to use them all"
+        )
+    _each_thread(lambda tid: os.sched_setaffinity(tid, wanted))
+    return wanted
 
 
 def idle_cpu_scheduling() -> bool:

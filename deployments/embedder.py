@@ -288,7 +288,9 @@ class EmbeddingDeployment(ServeBatching, EmbeddingServer):
 
     def __init__(self, config: dict) -> None:
         cfg = EmbedderConfig.model_validate(config)
-        apply_replica_priority(cfg.replica.cpu_niceness, cfg.replica.cpu_scheduling)
+        apply_replica_priority(
+            cfg.replica.cpu_niceness, cfg.replica.cpu_scheduling, cfg.replica.cpu_cores
+        )
         # On the GPUs Ray gave this replica, or a refusal naming the setting to change.
         EmbeddingServer.__init__(self, place_replica(cfg, "torch"))
         self._init_serving(self.model.name)

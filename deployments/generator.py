@@ -432,7 +432,9 @@ class GeneratorDeployment(GeneratorServer):
     def __init__(self, config: dict) -> None:
         cfg = GeneratorConfig.model_validate(config)
         # Before vLLM's engine core starts: it inherits the level.
-        apply_replica_priority(cfg.replica.cpu_niceness, cfg.replica.cpu_scheduling)
+        apply_replica_priority(
+            cfg.replica.cpu_niceness, cfg.replica.cpu_scheduling, cfg.replica.cpu_cores
+        )
         if cfg.mode == "vllm":  # on this node: the builder's Python and Ray, and vLLM here
             check_replica_environment()
         # On the GPUs Ray gave this replica, or a refusal naming the setting to change.

@@ -336,7 +336,9 @@ class RankingDeployment(ServeBatching, RankingServer):
 
     def __init__(self, config: dict) -> None:
         cfg = RankerConfig.model_validate(config)
-        apply_replica_priority(cfg.replica.cpu_niceness, cfg.replica.cpu_scheduling)
+        apply_replica_priority(
+            cfg.replica.cpu_niceness, cfg.replica.cpu_scheduling, cfg.replica.cpu_cores
+        )
         # On the GPUs Ray gave this replica, or a refusal naming the setting to change.
         RankingServer.__init__(self, place_replica(cfg, "torch"))
         self._init_serving(self.scorer.name)

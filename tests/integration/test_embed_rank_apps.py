@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
 import random
 from pathlib import Path
 
@@ -19,14 +20,17 @@ from tests.conftest import deploy_declaratively
 from tests.factories import random_text
 
 BATCHING = {"max_batch_size": 32, "max_batch_tokens": 2048, "batch_wait_timeout_s": 0.02}
+# The embedder replica runs on this one core (replica.cpu_cores), the ranker on all.
+EMBED_CORE = max(os.sched_getaffinity(0))
 
 
 def _embed_args(models: dict[str, str], **batching: object) -> dict:
     return {
         "embedder": {
             "source": {"model": models["encoder"], "max_length": 64},
-            # One level below Ray's: the test below finds it on the replica's process.
-            "replica": {"num_cpus": 0.5, "cpu_niceness": 1},
+            # One level below Ray's, on one core: the tests below find both on the
+            # replica's process.
+            "replica": {"num_cpus": 0.5, "cpu_niceness": 1, "cpu_cores": [EMBED_CORE]},
             "batching": {**BATCHING, **batching},
         }
     }
@@ -54,20 +58,24 @@ def apps(serve_http: str, tiny_models: dict[str, str]):
     serve.delete("it-rank")
 
 
-def _replica_niceness(title: str) -> list[int]:
-    """Niceness of every process whose title (Ray sets ``ray::ServeReplica:<app>:<name>``)
-    holds ``title``."""
+def _replica_pids(title: str) -> list[int]:
+    """Every process whose title (Ray sets ``ray::ServeReplica:<app>:<name>``) holds
+    ``title``."""
     found = []
     for entry in Path("/proc").iterdir():
         if not entry.name.isdigit():
             continue
         try:
             cmdline = (entry / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
-            if title in cmdline:
-                found.append(int((entry / "stat").read_text().rsplit(")", 1)[1].split()[16]))
-        except (OSError, IndexError, ValueError):  # ended meanwhile, or not ours to read
+        except OSError:  # ended meanwhile, or not ours to read
             continue
+        if title in cmdline:
+            found.append(int(entry.name))
     return found
+
+
+def _replica_niceness(title: str) -> list[int]:
+    return [os.getpriority(os.PRIO_PROCESS, pid) for pid in _replica_pids(title)]
 
 
 @pytest.mark.skipif(not Path("/proc/self/stat").is_file(), reason="needs Linux /proc")
@@ -76,6 +84,15 @@ def test_a_replica_runs_at_the_niceness_its_config_asks(apps: str) -> None:
     ranker = _replica_niceness("ServeReplica:it-rank:ranker")  # replica.cpu_niceness unset
     assert len(embedder) == 1 and len(ranker) == 1, (embedder, ranker)
     assert embedder[0] == min(19, ranker[0] + 1)
+
+
+@pytest.mark.skipif(not hasattr(os, "sched_getaffinity"), reason="needs Linux CPU affinity")
+def test_a_replica_runs_on_the_cores_its_config_asks(apps: str) -> None:
+    embedder = _replica_pids("ServeReplica:it-embed:embedder")
+    ranker = _replica_pids("ServeReplica:it-rank:ranker")  # replica.cpu_cores unset
+    assert len(embedder) == 1 and len(ranker) == 1, (embedder, ranker)
+    assert os.sched_getaffinity(embedder[0]) == {EMBED_CORE}
+    assert os.sched_getaffinity(ranker[0]) == os.sched_getaffinity(0)
 
 
 async def _post_many(url: str, bodies: list[dict]) -> list[httpx.Response]:

@@ -205,7 +205,8 @@ import json, multiprocessing, os, sys, threading
 from carpool.priority import apply_replica_priority
 
 def state(tid=0):
-    return [os.getpriority(os.PRIO_PROCESS, tid), os.sched_getscheduler(tid)]
+    return [os.getpriority(os.PRIO_PROCESS, tid), os.sched_getscheduler(tid),
+            sorted(os.sched_getaffinity(tid))]
 
 def report(queue):
     queue.put(state())
@@ -217,7 +218,8 @@ if __name__ == "__main__":
     worker.start()
     apply_replica_priority(0)  # the default: nothing changes
     unchanged = state()
-    apply_replica_priority(int(sys.argv[1]), sys.argv[2])
+    cores = json.loads(sys.argv[3])
+    apply_replica_priority(int(sys.argv[1]), sys.argv[2], cores)
     # A process started afterwards, the way vLLM starts its engine core: spawned, not forked.
     ctx = multiprocessing.get_context("spawn")
     queue = ctx.Queue()
@@ -232,13 +234,15 @@ if __name__ == "__main__":
 """
 
 
-def _run_replica(tmp_path: Path, niceness: int, scheduling: str) -> dict:
+def _run_replica(
+    tmp_path: Path, niceness: int, scheduling: str, cores: list[int] | None = None
+) -> dict:
     """Applies a replica priority in a child process (spawn needs a file, and the runner's
     own priority must stay as it is) and returns what its threads and its child run at."""
     script = tmp_path / "replica.py"
     script.write_text(REPLICA_SCRIPT)
     out = subprocess.run(
-        [sys.executable, str(script), str(niceness), scheduling],
+        [sys.executable, str(script), str(niceness), scheduling, json.dumps(cores)],
         capture_output=True,
         text=True,
         timeout=120,
@@ -257,7 +261,7 @@ def test_a_replica_niceness_reaches_its_threads_and_the_processes_it_starts_late
     tmp_path: Path,
 ) -> None:
     result = _run_replica(tmp_path, 4, "normal")
-    lowered = [min(19, result["start"][0] + 4), result["start"][1]]
+    lowered = [min(19, result["start"][0] + 4), *result["start"][1:]]
     assert all(t == lowered for t in result["threads"])
     assert result["child"] == lowered
 
@@ -268,7 +272,7 @@ def test_an_idle_replica_moves_every_thread_and_later_processes_to_sched_idle(
 ) -> None:
     result = _run_replica(tmp_path, 0, "idle")
     assert result["start"][1] != result["idle"]  # the runner's class: a change to observe
-    idle = [result["start"][0], result["idle"]]
+    idle = [result["start"][0], result["idle"], result["start"][2]]
     assert all(t == idle for t in result["threads"])
     assert result["child"] == idle
 
@@ -290,22 +294,31 @@ def test_every_model_shell_lowers_itself_before_placing_the_model(
         "ranker": (ranker, ranker.RankingDeployment),
         "generator": (generator, generator.GeneratorDeployment),
     }[stage]
-    events: list[tuple[str, int]] = []
+    events: list[tuple[str, int, list[int] | None]] = []
 
     def place(config: object, engine: str) -> None:
-        events.append(("place", 0))
+        events.append(("place", 0, None))
         raise _Placed
 
     monkeypatch.setattr(
-        module, "apply_replica_priority", lambda n, policy: events.append((policy, n))
+        module,
+        "apply_replica_priority",
+        lambda n, policy, cores: events.append((policy, n, cores)),
     )
     monkeypatch.setattr(module, "place_replica", place)
-    config = {"replica": {"num_cpus": 0.5, "cpu_niceness": 3, "cpu_scheduling": "idle"}}
+    config = {
+        "replica": {
+            "num_cpus": 0.5,
+            "cpu_niceness": 3,
+            "cpu_scheduling": "idle",
+            "cpu_cores": [0],
+        }
+    }
     if stage == "generator":
         config["mode"] = "continuous"
     with pytest.raises(_Placed):
         shell(config)
-    assert events == [("idle", 3), ("place", 0)]
+    assert events == [("idle", 3, [0]), ("place", 0, None)]
 
 
 def test_replica_niceness_is_bounded_and_off_by_default() -> None:
@@ -337,3 +350,40 @@ def test_no_shipped_config_lowers_a_model_replica(path: str) -> None:
     for replica in models:
         assert replica.get("cpu_niceness", 0) == 0, f"{path}: {replica}"
         assert replica.get("cpu_scheduling", "normal") == "normal", f"{path}: {replica}"
+        assert replica.get("cpu_cores") is None, f"{path}: {replica}"
+
+
+@pytest.mark.skipif(not hasattr(os, "sched_setaffinity"), reason="needs Linux CPU affinity")
+@pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2, reason="needs two cores to narrow to one")
+def test_replica_cores_reach_its_threads_and_the_processes_it_starts_later(
+    tmp_path: Path,
+) -> None:
+    core = max(os.sched_getaffinity(0))
+    result = _run_replica(tmp_path, 0, "normal", [core])
+    assert len(result["start"][2]) >= 2  # the runner's cores: a change to observe
+    bound = [*result["start"][:2], [core]]
+    assert all(t == bound for t in result["threads"])
+    assert result["child"] == bound
+
+
+@pytest.mark.skipif(not hasattr(os, "sched_setaffinity"), reason="needs Linux CPU affinity")
+def test_replica_cores_outside_what_it_may_use_are_refused_by_name() -> None:
+    from carpool.priority import bind_cpu_cores
+
+    before = os.sched_getaffinity(0)
+    outside = max(before) + 1
+    with pytest.raises(ValueError, match=rf"replica.cpu_cores names cores \[{outside}\]"):
+        bind_cpu_cores([min(before), outside])
+    assert os.sched_getaffinity(0) == before  # nothing narrowed on the way
+
+
+def test_replica_cores_are_bounded_and_off_by_default() -> None:
+    from pydantic import ValidationError
+
+    from carpool.config import ReplicaConfig
+
+    assert ReplicaConfig().cpu_cores is None
+    assert ReplicaConfig(cpu_cores=[1]).cpu_cores == [1]
+    for bad in ([], [-1], "1"):
+        with pytest.raises(ValidationError, match="cpu_cores"):
+            ReplicaConfig(cpu_cores=bad)

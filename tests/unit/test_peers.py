@@ -445,18 +445,21 @@ def test_carpool_layouts_change_only_their_thread_knobs() -> None:
     # The embedder-priority variants change only the embedder's replica priority fields.
     from deployments.embedder import EmbedderConfig
 
-    for name, field, value in (
-        ("carpool-embed-nice", "cpu_niceness", 4),
-        ("carpool-embed-nice10", "cpu_niceness", 10),
-        ("carpool-embed-idle", "cpu_scheduling", "idle"),
+    for name, fields in (
+        ("carpool-embed-nice", {"cpu_niceness": 4}),
+        ("carpool-embed-nice10", {"cpu_niceness": 10}),
+        ("carpool-embed-idle", {"cpu_scheduling": "idle"}),
+        ("carpool-embed-core1", {"cpu_cores": [1]}),
+        ("carpool-embed-core1-nice", {"cpu_cores": [1], "cpu_niceness": 4}),
     ):
         lowered = copy.deepcopy(shipped)
         layout = peers.CARPOOL_LAYOUTS[name]
         assert layout is not None
         layout(lowered)
         embedder = peers.app_entry(lowered, "embed")["args"]["embedder"]
-        assert getattr(EmbedderConfig.model_validate(embedder).replica, field) == value
-        assert embedder["replica"].pop(field) == value
+        for field, value in fields.items():
+            assert getattr(EmbedderConfig.model_validate(embedder).replica, field) == value
+            assert embedder["replica"].pop(field) == value
         assert lowered == shipped
 
     assert set(peers.CARPOOL_LAYOUTS) == {
@@ -464,6 +467,8 @@ def test_carpool_layouts_change_only_their_thread_knobs() -> None:
         "carpool-embed-nice",
         "carpool-embed-nice10",
         "carpool-embed-idle",
+        "carpool-embed-core1",
+        "carpool-embed-core1-nice",
         "carpool-uni2",
         "carpool-uni2-haproxy",
         "carpool-stream1s",
