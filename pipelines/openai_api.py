@@ -21,7 +21,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse
+from fastapi.responses import JSONResponse, Response
 from pydantic import BaseModel, Field, ValidationError
 from ray import serve
 from ray.serve.deployment import Application
@@ -293,7 +293,7 @@ class OpenAIIngress:
         return kind, handlers[kind]
 
     @api.post("/v1/embeddings")
-    async def embeddings(self, body: EmbeddingRequest) -> JSONResponse:
+    async def embeddings(self, body: EmbeddingRequest) -> Response:
         _, handler = await self._route("/v1/embeddings", body.model)
         return await handler.embed_response(body)
 
