@@ -81,11 +81,11 @@ def embedding_body(result: EmbedResult, encoding_format: str, tokens: int) -> by
     """The ``/v1/embeddings`` body (the shape of ``EmbeddingResponse``), serialized once.
 
     Building the pydantic response and dumping it through the stdlib json cost the ingress
-    ~4.5 ms of CPU for five MiniLM vectors (every float widened to a Python float, written
-    with 17 digits), most of the ~10 ms an embed request cost it under mixed load
-    (benchmarks/PEERS.md, "Status 2026-11-27, 22:25"); orjson writes the float32 arrays
-    directly, each number at its shortest form that reads back as the same float32 (about
-    half the bytes for Ray's proxy to forward), in ~0.2 ms.
+    ~0.9 ms of CPU for five MiniLM vectors on a quiet core (every float widened to a Python
+    float and written with 17 digits), about a tenth of the ~10 ms an embed request cost it
+    under mixed load (benchmarks/PEERS.md, "Status 2026-11-27, 22:25"); orjson writes the
+    float32 arrays directly, each number at its shortest form that reads back as the same
+    float32 (about half the bytes for Ray's proxy to forward), in ~0.05 ms.
     """
     data = [
         {
