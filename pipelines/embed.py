@@ -77,7 +77,7 @@ def encode_vector(vector: Any, encoding_format: str) -> np.ndarray | str:
     return f32
 
 
-def embedding_body(result: EmbedResult, encoding_format: str, tokens: int) -> bytes:
+def embedding_body(result: EmbedResult, encoding_format: str) -> bytes:
     """The ``/v1/embeddings`` body (the shape of ``EmbeddingResponse``), serialized once.
 
     Building the pydantic response and dumping it through the stdlib json cost the ingress
@@ -96,6 +96,7 @@ def embedding_body(result: EmbedResult, encoding_format: str, tokens: int) -> by
         }
         for i, (vector, cut) in enumerate(zip(result.vectors, result.truncated, strict=True))
     ]
+    tokens = sum(result.token_counts)
     body = {
         "object": "list",
         "data": data,
@@ -173,7 +174,7 @@ class EmbedHandler(PipelineHandler):
             result = await call_idempotent(
                 "embedder", lambda: self.embedder.embed.remote(texts, body.truncate, controls)
             )
-        body_bytes = embedding_body(result, body.encoding_format, sum(result.token_counts))
+        body_bytes = embedding_body(result, body.encoding_format)
         return Response(body_bytes, media_type="application/json")
 
 

@@ -20,7 +20,7 @@ def _result() -> EmbedResult:
 
 def test_floats_read_back_as_the_same_float32_in_the_response_shape():
     result = _result()
-    raw = embedding_body(result, "float", tokens=26)
+    raw = embedding_body(result, "float")
     response = EmbeddingResponse.model_validate(json.loads(raw))
     assert response.model == "m"
     assert response.usage.prompt_tokens == response.usage.total_tokens == 26
@@ -38,8 +38,8 @@ def test_floats_read_back_as_the_same_float32_in_the_response_shape():
 
 def test_base64_holds_the_same_float32_bytes():
     result = _result()
-    floats = json.loads(embedding_body(result, "float", tokens=26))["data"]
-    b64 = json.loads(embedding_body(result, "base64", tokens=26))["data"]
+    floats = json.loads(embedding_body(result, "float"))["data"]
+    b64 = json.loads(embedding_body(result, "base64"))["data"]
     for f, b in zip(floats, b64, strict=True):
         decoded = np.frombuffer(base64.b64decode(b["embedding"]), dtype="<f4")
         np.testing.assert_array_equal(decoded, np.asarray(f["embedding"], dtype=np.float32))
