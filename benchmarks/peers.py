@@ -1181,16 +1181,6 @@ def streaming_layout(direct: bool) -> Callable[[dict[str, Any]], None]:
     return layout
 
 
-def embed_direct_layout(direct: bool) -> Callable[[dict[str, Any]], None]:
-    """serve.yaml with the embed app's HTTP served by the embedder's replica itself
-    (``direct_ingress``) or by a separate ingress deployment."""
-
-    def layout(config: dict[str, Any]) -> None:
-        app_entry(config, "embed")["args"]["direct_ingress"] = direct
-
-    return layout
-
-
 def stream_interval_layout(ms: float) -> Callable[[dict[str, Any]], None]:
     """serve.yaml with the small generator's streamed text held up to ``ms`` between
     messages (``stream_interval_ms``; 8 tokens still send at once)."""
@@ -1222,8 +1212,6 @@ CARPOOL_LAYOUTS: dict[str, Callable[[dict[str, Any]], None] | None] = {
     "carpool-embed-idle": embedder_priority_layout(cpu_scheduling="idle"),
     "carpool-embed-core1": embedder_priority_layout(cpu_cores=[1]),
     "carpool-embed-core1-nice": embedder_priority_layout(cpu_cores=[1], cpu_niceness=4),
-    "carpool-embed-direct": embed_direct_layout(direct=True),
-    "carpool-embed-ingress": embed_direct_layout(direct=False),
     "carpool-haproxy": None,  # serve.yaml behind Ray Serve's HAProxy ingress (CARPOOL_RAY_ENV)
     "carpool-throughput": None,  # and Ray Serve's throughput-optimized mode (CARPOOL_RAY_ENV)
 }

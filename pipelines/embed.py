@@ -28,18 +28,12 @@ from carpool.http import (
     current_controls,
     make_api,
 )
-from carpool.local_handle import LocalHandle
 from carpool.schemas import (
     EmbeddingRequest,
     EmbeddingResponse,
     ModelList,
 )
-from deployments.embedder import (
-    EmbedderConfig,
-    EmbeddingDeployment,
-    EmbedResult,
-    build_embedding_deployment,
-)
+from deployments.embedder import EmbedderConfig, EmbedResult, build_embedding_deployment
 from pipelines.handler import PipelineHandler
 
 
@@ -47,15 +41,6 @@ class EmbedArgs(StrictModel):
     """Arguments of the embed pipeline (the ``args:`` of its serve config entry)."""
 
     embedder: EmbedderConfig = Field(default_factory=EmbedderConfig)
-    direct_ingress: bool = Field(
-        default=False,
-        description="The embedder's replicas serve this app's HTTP themselves (as the generate "
-        "app's direct_streaming): a request goes proxy -> embedder -> proxy, one process hop "
-        "and one pickled result fewer than through the separate ingress. HTTP capacity then "
-        "follows the embedder's replica count, and a replica's overload refusal is not "
-        "retried on another by an ingress: off in the cluster configs. `ingress` then only "
-        "sets the default deadline.",
-    )
     ingress: IngressConfig = Field(default_factory=IngressConfig)
     max_inputs_per_request: int = Field(
         default=2048,
@@ -229,45 +214,12 @@ class EmbedIngress(EmbedHandler):
         return api
 
 
-@serve.ingress()
-class DirectEmbedIngress(EmbeddingDeployment):
-    """The embedder serving the pipeline's HTTP itself (``direct_ingress``).
-
-    Its own model is called in-process (``LocalHandle``): no ingress replica, no Ray hop
-    and no pickled result between the HTTP side and the model. Other apps (the OpenAI URL,
-    the retriever) still reach it as the ``embedder`` deployment. The ingress's own niceness
-    is not applied: this process embeds.
-    """
-
-    def __init__(self, config: dict[str, Any], args: dict[str, Any]) -> None:
-        EmbeddingDeployment.__init__(self, config)
-        self.http = EmbedHandler(LocalHandle(self), EmbedArgs.model_validate(args))
-
-    def __serve_build_asgi_app__(self) -> FastAPI:
-        api = embed_api(self.http)
-        apply_ingress_defaults(api, self.http.args.ingress, own_process=False)
-        return api
-
-    def settings(self) -> dict[str, Any]:
-        return self.http.settings()
-
-    async def __del__(self) -> None:
-        # Serve awaits it: the HTTP app's lifespan ends with the replica.
-        lifespan = getattr(self, "_serve_asgi_lifespan", None)
-        if lifespan is not None:
-            await lifespan.shutdown()
-
-
 def build_embed_app(args: dict[str, Any] | None = None) -> Application:
-    """The embed pipeline: ingress -> embedder, or the embedder alone (``direct_ingress``)."""
+    """The embed pipeline: ingress -> embedder."""
     parsed = EmbedArgs.model_validate(args or {})
     # Without the batching knobs: they reach the model replica as user_config, and the ingress
     # must not restart when only they change.
     settings = parsed.model_dump(exclude={"embedder": {"batching"}})
-    if parsed.direct_ingress:
-        return build_embedding_deployment(
-            parsed.embedder, EMBEDDER_DEPLOYMENT, DirectEmbedIngress, (settings,)
-        )
     embedder = build_embedding_deployment(parsed.embedder, EMBEDDER_DEPLOYMENT)
     ingress = serve.deployment(EmbedIngress).options(**parsed.ingress.serve_options(EMBED_INGRESS))
     return ingress.bind(embedder, settings)

@@ -53,13 +53,8 @@ def apps(serve_http: str, tiny_models: dict[str, str]):
         name="it-rank",
         route_prefix="/it-rank",
     )
-    # The same embedder serving its app's HTTP itself (direct_ingress), no ingress deployment.
-    direct = {**_embed_args(tiny_models), "direct_ingress": True}
-    direct["embedder"]["replica"] = {"num_cpus": 0.5}
-    serve.run(build_embed_app(direct), name="it-embed-direct", route_prefix="/it-embed-direct")
     yield serve_http
     serve.delete("it-embed")
-    serve.delete("it-embed-direct")
     serve.delete("it-rank")
 
 
@@ -139,29 +134,6 @@ def test_batched_vectors_match_unbatched(apps: str) -> None:
         assert np.abs(np.array(a) - np.array(r.json()["data"][0]["embedding"])).max() < 1e-4
 
 
-def test_direct_ingress_answers_as_the_ingress_does_from_the_embedder(apps: str) -> None:
-    deployments = serve.status().applications["it-embed-direct"].deployments
-    assert set(deployments) == {"embedder"}, "direct_ingress must not deploy an ingress"
-    rng = random.Random(2)
-    bodies = [{"input": [random_text(rng) for _ in range(rng.randint(1, 3))]} for _ in range(24)]
-    before = httpx.get(f"{apps}/it-embed-direct/v1/stats").json()
-    direct = asyncio.run(_post_many(f"{apps}/it-embed-direct/v1/embeddings", bodies))
-    via_ingress = asyncio.run(_post_many(f"{apps}/it-embed/v1/embeddings", bodies))
-    after = httpx.get(f"{apps}/it-embed-direct/v1/stats").json()
-    assert [r.status_code for r in direct] == [200] * len(bodies)
-    assert after["items"] - before["items"] == sum(len(b["input"]) for b in bodies)
-    for a, b in zip(direct, via_ingress, strict=True):
-        got, want = a.json(), b.json()
-        assert got["usage"] == want["usage"] and got["model"] == want["model"]
-        np.testing.assert_allclose(
-            [d["embedding"] for d in got["data"]],
-            [d["embedding"] for d in want["data"]],
-            atol=1e-4,
-        )
-    models = httpx.get(f"{apps}/it-embed-direct/v1/models").json()
-    assert [m["id"] for m in models["data"]] == [via_ingress[0].json()["model"]]
-
-
 def test_base64_encoding_matches_floats(apps: str) -> None:
     import base64
 
@@ -226,16 +198,12 @@ def test_rerank_sorts_and_trims(apps: str) -> None:
     assert data["usage"]["total_tokens"] > 0
 
 
-@pytest.mark.parametrize(
-    ("app", "cases"),
-    [("it-embed", EMBED_BAD), ("it-embed-direct", EMBED_BAD), ("it-rank", RANK_BAD)],
-)
+@pytest.mark.parametrize(("app", "cases"), [("it-embed", EMBED_BAD), ("it-rank", RANK_BAD)])
 def test_bad_input_gets_4xx_and_others_in_flight_still_succeed(
     apps: str, app: str, cases: list
 ) -> None:
-    embed = app.startswith("it-embed")
-    good_path = "embeddings" if embed else "rerank"
-    good = {"input": "fine text"} if embed else {"query": "q", "documents": ["d"]}
+    good_path = "embeddings" if app == "it-embed" else "rerank"
+    good = {"input": "fine text"} if app == "it-embed" else {"query": "q", "documents": ["d"]}
     url = f"{apps}/{app}/v1/{good_path}"
 
     async def main() -> tuple[list, list]:

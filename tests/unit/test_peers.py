@@ -462,26 +462,8 @@ def test_carpool_layouts_change_only_their_thread_knobs() -> None:
             assert embedder["replica"].pop(field) == value
         assert lowered == shipped
 
-    # The embed-direct variants set only the embed app's direct_ingress, as serve.yaml may not.
-    from pipelines.embed import EmbedArgs
-
-    for name, direct in (("carpool-embed-direct", True), ("carpool-embed-ingress", False)):
-        changed = copy.deepcopy(shipped)
-        layout = peers.CARPOOL_LAYOUTS[name]
-        assert layout is not None
-        layout(changed)
-        args = peers.app_entry(changed, "embed")["args"]
-        assert EmbedArgs.model_validate(args).direct_ingress is direct
-        args.pop("direct_ingress")
-        peers.app_entry(shipped_copy := copy.deepcopy(shipped), "embed")["args"].pop(
-            "direct_ingress", None
-        )
-        assert changed == shipped_copy
-
     assert set(peers.CARPOOL_LAYOUTS) == {
         "carpool",
-        "carpool-embed-direct",
-        "carpool-embed-ingress",
         "carpool-embed-nice",
         "carpool-embed-nice10",
         "carpool-embed-idle",
