@@ -10,7 +10,6 @@ from typing import Any
 
 import numpy as np
 import orjson
-from fastapi import FastAPI
 from fastapi.responses import Response
 from pydantic import Field
 from ray import serve
@@ -61,6 +60,12 @@ class EmbedArgs(StrictModel):
 # Deployment names other apps find this pipeline's parts by (serve.get_deployment_handle).
 EMBED_INGRESS = "embed_ingress"
 EMBEDDER_DEPLOYMENT = "embedder"
+
+api = make_api(
+    "carpool embed",
+    "OpenAI-compatible embeddings with length-aware dynamic batching.",
+    MAX_BODY_BYTES,
+)
 
 
 def encode_vector(vector: Any, encoding_format: str) -> np.ndarray | str:
@@ -173,56 +178,40 @@ class EmbedHandler(PipelineHandler):
         return Response(body_bytes, media_type="application/json")
 
 
-def embed_api(handler: EmbedHandler) -> FastAPI:
-    """The pipeline's HTTP routes over ``handler``; built in the replica that serves them."""
-    api = make_api(
-        "carpool embed",
-        "OpenAI-compatible embeddings with length-aware dynamic batching.",
-        MAX_BODY_BYTES,
-    )
-
-    @api.post("/v1/embeddings", response_model=EmbeddingResponse)
-    async def embeddings(body: EmbeddingRequest) -> Response:
-        return await handler.embed_response(body)
-
-    @api.get("/v1/models", response_model=ModelList)
-    async def models() -> ModelList:
-        return ModelList(data=[handler.model_card()])
-
-    @api.get("/v1/stats")
-    async def stats() -> dict[str, Any]:
-        """Batching figures of one embedder replica (the one this call reaches)."""
-        return await call_backend("embedder", handler.embedder.stats.remote())
-
-    @api.get("/healthz")
-    async def healthz() -> dict[str, Any]:
-        return health_body()  # {"status": "ok"}, plus warnings when open to anyone
-
-    return api
-
-
-@serve.ingress()
+@serve.ingress(api)
 class EmbedIngress(EmbedHandler):
     """HTTP front of the embed pipeline: validates, forwards, formats."""
 
     def __init__(self, embedder: DeploymentHandle, args: dict[str, Any]) -> None:
         super().__init__(embedder, EmbedArgs.model_validate(args))
-
-    def __serve_build_asgi_app__(self) -> FastAPI:
-        api = embed_api(self)
         apply_ingress_defaults(api, self.args.ingress)
-        return api
+
+    @api.post("/v1/embeddings", response_model=EmbeddingResponse)
+    async def embeddings(self, body: EmbeddingRequest) -> Response:
+        return await self.embed_response(body)
+
+    @api.get("/v1/models", response_model=ModelList)
+    async def models(self) -> ModelList:
+        return ModelList(data=[self.model_card()])
+
+    @api.get("/v1/stats")
+    async def stats(self) -> dict[str, Any]:
+        """Batching figures of one embedder replica (the one this call reaches)."""
+        return await call_backend("embedder", self.embedder.stats.remote())
+
+    @api.get("/healthz")
+    async def healthz(self) -> dict[str, Any]:
+        return health_body()  # {"status": "ok"}, plus warnings when open to anyone
 
 
 def build_embed_app(args: dict[str, Any] | None = None) -> Application:
     """The embed pipeline: ingress -> embedder."""
     parsed = EmbedArgs.model_validate(args or {})
-    # Without the batching knobs: they reach the model replica as user_config, and the ingress
-    # must not restart when only they change.
-    settings = parsed.model_dump(exclude={"embedder": {"batching"}})
     embedder = build_embedding_deployment(parsed.embedder, EMBEDDER_DEPLOYMENT)
     ingress = serve.deployment(EmbedIngress).options(**parsed.ingress.serve_options(EMBED_INGRESS))
-    return ingress.bind(embedder, settings)
+    # Without the batching knobs: they reach the model replica as user_config, and the ingress
+    # must not restart when only they change.
+    return ingress.bind(embedder, parsed.model_dump(exclude={"embedder": {"batching"}}))
 
 
 app = build_embed_app

@@ -545,21 +545,27 @@ def test_v2_rerank_refuses_max_tokens_per_doc_below_the_rankers_limit(rank_ingre
 
 
 @pytest.fixture(scope="module")
-def embed_handler(tiny: dict[str, str]):
+def embed_ingress(tiny: dict[str, str]):
     import time
 
     from deployments.embedder import EmbedderConfig, EmbeddingServer, TextEmbedder
-    from pipelines.embed import EmbedArgs, EmbedHandler
+    from pipelines.embed import EmbedArgs, EmbedIngress
 
     args = EmbedArgs.model_validate(
         {"embedder": {"source": {"model": tiny["encoder"], "max_length": 64}}}
     )
     config = EmbedderConfig.model_validate(args.embedder.model_dump())
     server = EmbeddingServer(config, TextEmbedder(config))
-    return EmbedHandler(_Handle(server, "embed", "embed_tokens"), args, int(time.time()))
+    return _ingress(
+        EmbedIngress,
+        args=args,
+        embedder=_Handle(server, "embed", "embed_tokens"),
+        model_name="embedder",
+        created=int(time.time()),
+    )
 
 
-def test_embeddings_route_takes_token_ids_and_2048_inputs(embed_handler) -> None:
+def test_embeddings_route_takes_token_ids_and_2048_inputs(embed_ingress) -> None:
     import asyncio
 
     import numpy as np
@@ -570,22 +576,22 @@ def test_embeddings_route_takes_token_ids_and_2048_inputs(embed_handler) -> None
 
     texts = ["the river city", "paris is the capital of france"]
     ids = bert_tokenizer()(texts)["input_ids"]
-    by_text = _json(asyncio.run(embed_handler.embed_response(EmbeddingRequest(input=texts))))
-    by_ids = _json(asyncio.run(embed_handler.embed_response(EmbeddingRequest(input=ids))))
+    by_text = _json(asyncio.run(embed_ingress.embeddings(EmbeddingRequest(input=texts))))
+    by_ids = _json(asyncio.run(embed_ingress.embeddings(EmbeddingRequest(input=ids))))
     np.testing.assert_allclose(
         [d["embedding"] for d in by_text["data"]],
         [d["embedding"] for d in by_ids["data"]],
         atol=1e-5,
     )
     assert by_ids["usage"]["prompt_tokens"] == sum(len(s) for s in ids)
-    many = _json(asyncio.run(embed_handler.embed_response(EmbeddingRequest(input=["w"] * 2048))))
+    many = _json(asyncio.run(embed_ingress.embeddings(EmbeddingRequest(input=["w"] * 2048))))
     assert len(many["data"]) == 2048
     with pytest.raises(RequestError) as info:
-        asyncio.run(embed_handler.embed_response(EmbeddingRequest(input=["w"] * 2049)))
+        asyncio.run(embed_ingress.embeddings(EmbeddingRequest(input=["w"] * 2049)))
     assert info.value.status_code == 400
     assert "2048" in info.value.message and "chunk_size" in info.value.message
     with pytest.raises(RequestError) as info:
-        asyncio.run(embed_handler.embed_response(EmbeddingRequest(input=[[101, 102], [100257]])))
+        asyncio.run(embed_ingress.embeddings(EmbeddingRequest(input=[[101, 102], [100257]])))
     assert info.value.status_code == 400 and "check_embedding_ctx_length" in info.value.message
 
 
