@@ -1181,13 +1181,6 @@ def streaming_layout(direct: bool) -> Callable[[dict[str, Any]], None]:
     return layout
 
 
-def engine_session_layout(config: dict[str, Any]) -> None:
-    """serve.yaml with the small generator's vLLM engine core in a session of its own
-    (``vllm.engine_session: own``), as a separately started vLLM server would be."""
-    small = app_entry(config, "generate")["args"]["small"]
-    small.setdefault("vllm", {})["engine_session"] = "own"
-
-
 def stream_interval_layout(ms: float) -> Callable[[dict[str, Any]], None]:
     """serve.yaml with the small generator's streamed text held up to ``ms`` between
     messages (``stream_interval_ms``; 8 tokens still send at once)."""
@@ -1219,7 +1212,6 @@ CARPOOL_LAYOUTS: dict[str, Callable[[dict[str, Any]], None] | None] = {
     "carpool-embed-idle": embedder_priority_layout(cpu_scheduling="idle"),
     "carpool-embed-core1": embedder_priority_layout(cpu_cores=[1]),
     "carpool-embed-core1-nice": embedder_priority_layout(cpu_cores=[1], cpu_niceness=4),
-    "carpool-engine-session": engine_session_layout,
     "carpool-haproxy": None,  # serve.yaml behind Ray Serve's HAProxy ingress (CARPOOL_RAY_ENV)
     "carpool-throughput": None,  # and Ray Serve's throughput-optimized mode (CARPOOL_RAY_ENV)
 }

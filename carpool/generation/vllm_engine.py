@@ -143,10 +143,6 @@ class VllmEngine(EngineCore):
         from vllm.v1.engine.async_llm import AsyncLLM
 
         os.environ.update(engine_env(options, device))  # read by the engine-core process
-        if options.engine_session == "own":
-            from carpool.generation.engine_session import start_engine_cores_in_own_session
-
-            start_engine_cores_in_own_session()
         self.llm = AsyncLLM.from_engine_args(
             AsyncEngineArgs(**self.args), stat_loggers=[_stat_logger_factory(self)]
         )

@@ -172,16 +172,6 @@ class VllmOptions(StrictModel):
         "2-core node leaves one core to a frontend that needs a fraction of it; 0 computes "
         "on every core (benchmarks/PEERS.md).",
     )
-    engine_session: Literal["inherit", "own"] = Field(
-        default="inherit",
-        description="Opt-in, off in every shipped config. 'own': vLLM's engine-core process "
-        "starts a session of its own, so a Linux host outside CPU cgroups (a VM or bare "
-        "machine; autogroup) shares a busy CPU with it as with a separately started vLLM "
-        "server instead of thread by thread with every process of Ray's session. It kills "
-        "itself within a second if the replica dies (Ray's cleanup by process group no "
-        "longer reaches it). No effect on CPU in a pod or systemd unit. 'inherit': Ray's "
-        "session, as any child of the replica.",
-    )
     seed: int = Field(
         default=0, ge=0, le=2**31 - 1, description="Engine seed for requests without one."
     )

@@ -462,19 +462,8 @@ def test_carpool_layouts_change_only_their_thread_knobs() -> None:
             assert embedder["replica"].pop(field) == value
         assert lowered == shipped
 
-    # carpool-engine-session changes only the small generator's vLLM engine_session.
-    from carpool.generation.vllm_options import VllmOptions
-
-    own = copy.deepcopy(shipped)
-    peers.engine_session_layout(own)
-    vllm_own = peers.app_entry(own, "generate")["args"]["small"]["vllm"]
-    assert VllmOptions.model_validate(vllm_own).engine_session == "own"
-    assert vllm_own.pop("engine_session") == "own"
-    assert own == shipped
-
     assert set(peers.CARPOOL_LAYOUTS) == {
         "carpool",
-        "carpool-engine-session",
         "carpool-embed-nice",
         "carpool-embed-nice10",
         "carpool-embed-idle",
