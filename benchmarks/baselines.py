@@ -53,6 +53,12 @@ from pipelines.embed import encode_vector
 HISTOGRAM_KEY = "items_per_pass_histogram"
 
 
+def _plain(embedding: Any) -> list[float] | str:
+    # A plain server's path, as before carpool wrote float32 arrays with orjson: the vector as
+    # a Python list for pydantic (validating an ndarray element by element costs it ~4x).
+    return embedding.tolist() if hasattr(embedding, "tolist") else embedding
+
+
 class BaselineArgs(BaseModel):
     """Arguments of a baseline app (the harness fills them from the suite's resources)."""
 
@@ -163,7 +169,7 @@ class _EmbedderCore:
         tokens = sum(len(s) for s in ids)
         response = EmbeddingResponse(
             data=[
-                EmbeddingData(index=i, embedding=encode_vector(v, body.encoding_format))
+                EmbeddingData(index=i, embedding=_plain(encode_vector(v, body.encoding_format)))
                 for i, v in enumerate(vectors)
             ],
             model=self.model.name,
