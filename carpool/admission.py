@@ -463,6 +463,14 @@ def slot_refusal(
             code="deadline_unmeetable",
         )
     if queue.waiting >= bound or wait_ms > max_queue_delay_ms * share:
+        # Room again once the line is back under both bounds: one sequence leaves the line
+        # per slot time. Unknown (0) before the first sequence finished.
+        slot_s = queue.mean_slot_s / max(queue.slots, 1)
+        full_for_s = max(
+            (queue.waiting - bound + 1) * slot_s,
+            (wait_ms - max_queue_delay_ms * share) / 1000,
+            0.0,
+        )
         return RequestError(
             503,
             f"model {model!r} has {queue.waiting} requests waiting for a slot, about "
@@ -470,6 +478,7 @@ def slot_refusal(
             f"{max_queue_delay_ms * share:.0f} ms for {controls.priority} requests); retry "
             "after the Retry-After delay",
             code="overloaded",
-            retry_after_s=max(queue.mean_slot_s / max(queue.slots, 1), 1.0),
+            retry_after_s=max(slot_s, 1.0),
+            full_for_s=full_for_s,
         )
     return None

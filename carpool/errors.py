@@ -25,6 +25,7 @@ class RequestError(Exception):
         *,
         replica: str | None = _AUTO,
         deployment: str | None = None,
+        full_for_s: float | None = None,
     ) -> None:
         super().__init__(status_code, message, param, code, retry_after_s)
         self.status_code = status_code
@@ -45,6 +46,9 @@ class RequestError(Exception):
                     deployment, replica = where
         self.replica = replica
         self.deployment = deployment
+        # How long the refusing replica expects to stay full (None: unknown). A refusal by
+        # count can clear in one slot's time; callers remember it no longer than this.
+        self.full_for_s = full_for_s
 
     def __str__(self) -> str:
         return self.message

@@ -10,8 +10,12 @@ is full":
   refusing deployment has refused moments ago; one full replica among several never blacks
   out the stage.
 - ``call_refusable`` retries a refused call while the memory says some live replica has not
-  refused, at most once per live replica. Serve's router sends each try to the less loaded of
-  two replicas, so a retry lands on one with room.
+  refused, until every live replica refused it (or ``max_tries``). Serve's router sends each
+  try to the less loaded of two replicas by its cached queue lengths, so a retry usually
+  lands on one with room, and sometimes on the one that just refused.
+- A refusal by count (a generator's waiting line at its bound) says how long its replica
+  stays full (``RequestError.full_for_s``, about one slot's time), and is remembered no
+  longer than that: two replicas that were each full a moment apart are not a full stage.
 
 How many replicas are live comes from a ``LiveCount`` (``carpool.topology`` polls Serve's
 controller); unknown counts as one, which is the single-replica behaviour. No Ray imports here.
@@ -49,10 +53,10 @@ class RefusalMemory:
 
     Under overload most requests are refused, and one that travels to the model replica to be
     refused costs the hop (Serve's machinery in both processes) on the cores the model
-    computes on. A replica refuses only once its queue holds ``max_queue_delay_ms`` of work,
-    so for a moment after a refusal it is certainly still full. The ingress answers requests
-    of that tier itself only while every live replica of the deployment has refused within
-    the window. The window is short next to any queue bound, so the model never runs dry; an
+    computes on. A replica that refuses for queued work (``max_queue_delay_ms``) is certainly
+    still full for a moment; one that refuses by count says for how long (``full_for_s``),
+    and is remembered no longer. The ingress answers requests of that tier itself only while
+    every live replica of the deployment has refused within its window. The window is short next to any queue bound, so the model never runs dry; an
     interactive refusal covers the batch tier too (its bounds are lower).
     """
 
@@ -68,7 +72,10 @@ class RefusalMemory:
         if not is_overload(error):
             return
         now = self._clock()
-        until, retry_at = now + self.window_s, now + (error.retry_after_s or self.window_s)
+        held = self.window_s
+        if error.full_for_s is not None:  # a refusal by count clears in a slot's time
+            held = min(held, error.full_for_s)
+        until, retry_at = now + held, now + (error.retry_after_s or self.window_s)
         deployment = error.deployment or WHOLE_STAGE
         replica = error.replica or WHOLE_STAGE
         for tier in PRIORITIES if priority == "interactive" else (priority,):
@@ -126,6 +133,7 @@ async def call_refusable(
     raised as it came. Every refusal is recorded in ``memory``.
     """
     tries = 0
+    refused_this_call: set[str] = set()
     while True:
         tries += 1
         try:
@@ -140,5 +148,9 @@ async def call_refusable(
                 raise
             if not memory.has_room(found.deployment, priority, live):
                 raise
-            if tries >= max(live(found.deployment or WHOLE_STAGE) or 1, 1):
+            # Serve may send a retry to the replica that just refused (its queue lengths are
+            # cached), so the call gives up once every live replica refused it, not after
+            # one try per replica.
+            refused_this_call.add(found.replica)
+            if len(refused_this_call) >= max(live(found.deployment or WHOLE_STAGE) or 1, 1):
                 raise

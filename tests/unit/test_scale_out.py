@@ -11,6 +11,7 @@ import numpy as np
 import pytest
 from pydantic import ValidationError
 
+from carpool.admission import RequestControls, SlotQueue, slot_refusal
 from carpool.errors import RequestError, find_request_error
 from carpool.refusals import RefusalMemory, call_refusable
 from carpool.topology import LiveReplicas, parse_serve_details
@@ -89,6 +90,62 @@ def test_a_refused_request_is_tried_on_another_replica_once_each() -> None:
     assert calls == ["a", "b"]
 
 
+def test_a_retry_sent_back_to_the_replica_that_refused_goes_on_to_the_other() -> None:
+    """Serve picks each try's replica from cached queue lengths, so a retry can reach the
+    replica that just refused; the call goes on until every live replica refused it."""
+    calls: list[str] = []
+    replicas = iter(["a", "a", "b"])
+
+    async def attempt() -> str:
+        replica = next(replicas)
+        calls.append(replica)
+        if replica == "a":
+            raise full("a")
+        return "answered by b"
+
+    live = {"generate/small": 2}.get
+    answer = asyncio.run(call_refusable(attempt, RefusalMemory(), "interactive", live))
+    assert answer == "answered by b"
+    assert calls == ["a", "a", "b"]
+
+
+def test_a_refusal_by_count_is_remembered_only_as_long_as_it_says() -> None:
+    """Two replicas each full by count a moment apart are not a full stage: a count refusal
+    clears when one sequence leaves the line."""
+    clock = [0.0]
+    memory = RefusalMemory(window_s=1.25, clock=lambda: clock[0])
+    two = {"generate/small": 2}.get
+    queue = SlotQueue(waiting=4, mean_slot_s=0.4, slots=2)
+    controls = RequestControls()
+    refusal = slot_refusal(
+        "tiny", queue, controls, max_waiting=4, max_queue_delay_ms=60_000, batch_tier_share=0.5
+    )
+    assert refusal is not None and refusal.code == "overloaded"
+    assert refusal.full_for_s == pytest.approx(0.2)  # one sequence out: 0.4 s / 2 slots
+    assert refusal.retry_after_s == 1.0  # what a client is told stays whole seconds
+    refusal.replica, refusal.deployment = "a", "generate/small"
+    memory.record(refusal, "interactive")
+    clock[0] = 0.3  # a's line moved on; b refuses now
+    memory.record(full("b"), "interactive")
+    assert memory.refusal("small", "interactive", two) is None
+    # A refusal for queued work past the delay bound stays for the excess to drain.
+    slow = SlotQueue(waiting=3, mean_slot_s=2.0, slots=1)
+    late = slot_refusal(
+        "tiny", slow, controls, max_waiting=10, max_queue_delay_ms=4_000, batch_tier_share=0.5
+    )
+    assert late is not None and late.full_for_s == pytest.approx(2.0)
+    # Unknown slot time (nothing finished yet): not remembered past the call.
+    fresh = slot_refusal(
+        "tiny",
+        SlotQueue(waiting=4, mean_slot_s=0.0, slots=2),
+        controls,
+        max_waiting=4,
+        max_queue_delay_ms=60_000,
+        batch_tier_share=0.5,
+    )
+    assert fresh is not None and fresh.full_for_s == 0.0
+
+
 def test_only_overload_refusals_are_retried() -> None:
     """Anything else may have done work (a generation must never run twice)."""
     for error in (
@@ -115,6 +172,8 @@ def test_a_refusal_says_which_replica_refused_across_a_pickle() -> None:
     wrapped = RuntimeError("wrapped")
     wrapped.__cause__ = error
     assert find_request_error(wrapped).replica == "r1"
+    counted = RequestError(503, "x", code="overloaded", replica="r1", full_for_s=0.2)
+    assert pickle.loads(pickle.dumps(counted)).full_for_s == 0.2
     assert RequestError(503, "x", code="overloaded").replica is None  # outside Serve
 
 
