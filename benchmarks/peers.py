@@ -1314,10 +1314,14 @@ async def _mixed_visit(
         await warm_up(gen_gen, system.generate, gen_wl, 4)
         out["top"] = top_snapshot()
         out["load"] = load_note()
+        # Wall-clock bounds of the measured window, to line up CPU accounting beside it
+        # (python -m benchmarks.schedstat report --between).
+        out["window_started_at"] = time.time()
         out["embed"], out["generate"] = await asyncio.gather(
             closed_window(embed_gen, system.embed, embed_wl, MIXED_EMBED_CLIENTS, args.duration),
             closed_window(gen_gen, system.generate, gen_wl, MIXED_GENERATE_CLIENTS, args.duration),
         )
+        out["window_ended_at"] = time.time()
     e, g = out["embed"], out["generate"]
     print(
         f"  {system.name} r{round_} mixed: {e['items_per_s']:.1f} items/s (p99 "

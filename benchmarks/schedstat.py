@@ -74,30 +74,47 @@ def busy_windows(snaps: list[dict[str, Any]], comm: str, share: float) -> list[t
     return windows
 
 
+def window_table(a: dict[str, Any], b: dict[str, Any], rows: int = 12) -> None:
+    """Per process, between snapshots ``a`` and ``b``: share of a core run and waited."""
+    dt = b["t"] - a["t"]
+    procs: dict[str, list[Any]] = defaultdict(lambda: [0.0, 0.0, ""])
+    for tid, (pid, comm, cmd, run, wait) in b["tasks"].items():
+        old = a["tasks"].get(tid, [0, "", "", 0, 0])
+        p = procs[pid]
+        p[0] += (run - old[3]) / 1e9
+        p[1] += (wait - old[4]) / 1e9
+        if comm.startswith("VLLM"):  # vLLM names its engine thread; its cmdline says less
+            p[2] = f"{comm}: {cmd}"
+        elif not p[2]:
+            p[2] = cmd
+    print(f"window of {dt:.0f} s ({time.strftime('%H:%M:%S', time.gmtime(a['t']))} UTC)")
+    print("| process | ran (% of a core) | waited for a core (%) |")
+    print("|---|---|---|")
+    for pid, (run, wait, cmd) in sorted(procs.items(), key=lambda kv: -kv[1][0])[:rows]:
+        if run / dt >= 0.005:
+            print(f"| {cmd.strip()[:60]} ({pid}) | {run / dt * 100:.1f} | {wait / dt * 100:.1f} |")
+    total = sum(run for run, _, _ in procs.values())
+    print(f"\nall processes: {total / dt * 100:.1f}% of a core\n")
+
+
 def report(path: Path, comm: str, share: float, min_intervals: int) -> None:
     snaps = [json.loads(line) for line in path.read_text().splitlines() if line]
     for lo, hi in busy_windows(snaps, comm, share):
         if hi - lo < min_intervals:
             continue
         # Skip the ramp at both ends: the window's own edges are half-busy.
-        a, b = snaps[lo + 1], snaps[hi - 1] if hi - 1 > lo + 1 else snaps[hi]
-        dt = b["t"] - a["t"]
-        procs: dict[str, list[Any]] = defaultdict(lambda: [0.0, 0.0, ""])
-        for tid, (pid, _, cmd, run, wait) in b["tasks"].items():
-            old = a["tasks"].get(tid, [0, "", "", 0, 0])
-            p = procs[pid]
-            p[0] += (run - old[3]) / 1e9
-            p[1] += (wait - old[4]) / 1e9
-            p[2] = cmd
-        print(f"window of {dt:.0f} s ({time.strftime('%H:%M:%S', time.gmtime(a['t']))} UTC)")
-        print("| process | ran (% of a core) | waited for a core (%) |")
-        print("|---|---|---|")
-        for pid, (run, wait, cmd) in sorted(procs.items(), key=lambda kv: -kv[1][0])[:12]:
-            if run / dt >= 0.005:
-                print(
-                    f"| {cmd.strip()[:60]} ({pid}) | {run / dt * 100:.1f} | {wait / dt * 100:.1f} |"
-                )
-        print()
+        window_table(snaps[lo + 1], snaps[hi - 1] if hi - 1 > lo + 1 else snaps[hi])
+
+
+def report_between(path: Path, start: float, end: float) -> None:
+    """The snapshots just inside [start, end] (time.time() seconds), e.g. a benchmark's
+    measured window as its JSON records it."""
+    snaps = [json.loads(line) for line in path.read_text().splitlines() if line]
+    inside = [s for s in snaps if start <= s["t"] <= end]
+    if len(inside) < 2:
+        print(f"fewer than 2 snapshots between {start:.0f} and {end:.0f}: record more often")
+        return
+    window_table(inside[0], inside[-1])
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -111,9 +128,14 @@ def main(argv: list[str] | None = None) -> int:
     s.add_argument("--comm", default="VLLM::Worker", help="thread name that marks a window")
     s.add_argument("--share", type=float, default=0.6, help="busy above this share of a core")
     s.add_argument("--min-intervals", type=int, default=6)
+    s.add_argument(
+        "--between", type=float, nargs=2, metavar=("START", "END"), help="time.time() bounds"
+    )
     args = p.parse_args(argv)
     if args.cmd == "record":
         record(args.out, args.every_s)
+    elif args.between:
+        report_between(args.path, *args.between)
     else:
         report(args.path, args.comm, args.share, args.min_intervals)
     return 0
