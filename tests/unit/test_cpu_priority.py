@@ -201,15 +201,12 @@ def test_no_shipped_config_renices_rays_proxy(path: str) -> None:
 
 
 REPLICA_SCRIPT = """
-import json, multiprocessing, os, sys, threading
+import json, os, subprocess, sys, threading
 from carpool.priority import apply_replica_priority
 
 def state(tid=0):
     return [os.getpriority(os.PRIO_PROCESS, tid), os.sched_getscheduler(tid),
             sorted(os.sched_getaffinity(tid))]
-
-def report(queue):
-    queue.put(state())
 
 if __name__ == "__main__":
     start = state()
@@ -220,17 +217,19 @@ if __name__ == "__main__":
     unchanged = state()
     cores = json.loads(sys.argv[3])
     apply_replica_priority(int(sys.argv[1]), sys.argv[2], cores)
-    # A process started afterwards, the way vLLM starts its engine core: spawned, not forked.
-    ctx = multiprocessing.get_context("spawn")
-    queue = ctx.Queue()
-    child = ctx.Process(target=report, args=(queue,))
-    child.start()
-    child_state = queue.get(timeout=60)
-    child.join()
+    # A process started afterwards, the way vLLM starts its engine core (spawn: fork, then
+    # exec of a fresh interpreter). Read from here, as the OS set it at fork: the child needs
+    # no CPU to be checked, so a SCHED_IDLE one starved by a busy machine still answers.
+    child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(120)"])
+    child_state = state(child.pid)
+    child.kill()
+    child.wait()
     threads = [state(int(t)) for t in os.listdir("/proc/self/task")]
     stop.set()
     print(json.dumps({"start": start, "unchanged": unchanged, "threads": threads,
-                      "child": child_state, "idle": os.SCHED_IDLE}))
+                      "child": child_state, "idle": os.SCHED_IDLE}), flush=True)
+    worker.join()
+    os._exit(0)  # no interpreter teardown: a SCHED_IDLE process on a busy machine is slow
 """
 
 
@@ -245,7 +244,7 @@ def _run_replica(
         [sys.executable, str(script), str(niceness), scheduling, json.dumps(cores)],
         capture_output=True,
         text=True,
-        timeout=120,
+        timeout=600,  # SCHED_IDLE gets CPU only when no one else wants it
         check=True,
         cwd=ROOT,
         env={"PYTHONPATH": str(ROOT), "PATH": "/usr/bin:/bin"},
