@@ -106,15 +106,34 @@ def report(path: Path, comm: str, share: float, min_intervals: int) -> None:
         window_table(snaps[lo + 1], snaps[hi - 1] if hi - 1 > lo + 1 else snaps[hi])
 
 
-def report_between(path: Path, start: float, end: float) -> None:
+def thread_table(a: dict[str, Any], b: dict[str, Any], pid: str, rows: int = 10) -> None:
+    """Per thread of process ``pid``: whether its main thread was short of a core (ran +
+    waited near 100%) or the process's waiting is spread over idle helper threads."""
+    dt = b["t"] - a["t"]
+    threads = []
+    for tid, (owner, comm, _, run, wait) in b["tasks"].items():
+        if owner == pid:
+            old = a["tasks"].get(tid, [0, "", "", 0, 0])
+            threads.append(((run - old[3]) / 1e9 / dt, (wait - old[4]) / 1e9 / dt, comm, tid))
+    print(
+        f"threads of {pid}:\n| thread | ran (% of a core) | waited for a core (%) |\n|---|---|---|"
+    )
+    for run, wait, comm, tid in sorted(threads, reverse=True)[:rows]:
+        print(f"| {comm} ({tid}) | {run * 100:.1f} | {wait * 100:.1f} |")
+    print()
+
+
+def report_between(path: Path, start: float, end: float, pids: list[str] | None = None) -> None:
     """The snapshots just inside [start, end] (time.time() seconds), e.g. a benchmark's
-    measured window as its JSON records it."""
+    measured window as its JSON records it; with ``pids``, those processes thread by thread."""
     snaps = [json.loads(line) for line in path.read_text().splitlines() if line]
     inside = [s for s in snaps if start <= s["t"] <= end]
     if len(inside) < 2:
         print(f"fewer than 2 snapshots between {start:.0f} and {end:.0f}: record more often")
         return
     window_table(inside[0], inside[-1])
+    for pid in pids or []:
+        thread_table(inside[0], inside[-1], pid)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -131,11 +150,12 @@ def main(argv: list[str] | None = None) -> int:
     s.add_argument(
         "--between", type=float, nargs=2, metavar=("START", "END"), help="time.time() bounds"
     )
+    s.add_argument("--threads", nargs="*", default=[], metavar="PID", help="with --between")
     args = p.parse_args(argv)
     if args.cmd == "record":
         record(args.out, args.every_s)
     elif args.between:
-        report_between(args.path, *args.between)
+        report_between(args.path, *args.between, args.threads)
     else:
         report(args.path, args.comm, args.share, args.min_intervals)
     return 0
