@@ -49,24 +49,28 @@ def test_one_full_replica_among_two_does_not_black_out_the_stage() -> None:
     assert memory.refusal("small", "batch") is not None
 
 
-def test_a_refused_request_is_tried_on_another_replica_once_each() -> None:
+def _two_replicas_a_full(order: list[str]) -> tuple[str, list[str]]:
+    """Serve sends the tries to the replicas in ``order``; a is full, b has room."""
     calls: list[str] = []
-    replicas = iter(["a", "b"])
+    replicas = iter(order)
 
     async def attempt() -> str:
         replica = next(replicas)
         calls.append(replica)
         if replica == "a":
             raise full("a")
-        return "answered by b"
+        return f"answered by {replica}"
 
-    memory = RefusalMemory()
     live = {"generate/small": 2}.get
-    assert asyncio.run(call_refusable(attempt, memory, "interactive", live)) == "answered by b"
-    assert calls == ["a", "b"]
+    return asyncio.run(call_refusable(attempt, RefusalMemory(), "interactive", live)), calls
+
+
+def test_a_refused_request_is_tried_on_another_replica_once_each() -> None:
+    assert _two_replicas_a_full(["a", "b"]) == ("answered by b", ["a", "b"])
+    live = {"generate/small": 2}.get
 
     # One live replica: nothing else to try, the refusal goes back at once.
-    calls.clear()
+    calls: list[str] = []
 
     async def always_full() -> str:
         calls.append("a")
@@ -93,20 +97,7 @@ def test_a_refused_request_is_tried_on_another_replica_once_each() -> None:
 def test_a_retry_sent_back_to_the_replica_that_refused_goes_on_to_the_other() -> None:
     """Serve picks each try's replica from cached queue lengths, so a retry can reach the
     replica that just refused; the call goes on until every live replica refused it."""
-    calls: list[str] = []
-    replicas = iter(["a", "a", "b"])
-
-    async def attempt() -> str:
-        replica = next(replicas)
-        calls.append(replica)
-        if replica == "a":
-            raise full("a")
-        return "answered by b"
-
-    live = {"generate/small": 2}.get
-    answer = asyncio.run(call_refusable(attempt, RefusalMemory(), "interactive", live))
-    assert answer == "answered by b"
-    assert calls == ["a", "a", "b"]
+    assert _two_replicas_a_full(["a", "a", "b"]) == ("answered by b", ["a", "a", "b"])
 
 
 def test_a_refusal_by_count_is_remembered_only_as_long_as_it_says() -> None:
