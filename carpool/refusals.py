@@ -95,10 +95,13 @@ class RefusalMemory:
     ) -> bool:
         """Whether some live replica of ``deployment`` has not refused within the window."""
         deployment = deployment or WHOLE_STAGE
+        return not self._full(self._active(priority, deployment), deployment, live)
+
+    @staticmethod
+    def _full(active: dict[str, tuple[float, float]], deployment: str, live: LiveCount) -> bool:
         if deployment == WHOLE_STAGE:
-            return not self._active(priority, deployment)
-        active = self._active(priority, deployment)
-        return len(active) < max(live(deployment) or 1, 1)
+            return bool(active)
+        return len(active) >= max(live(deployment) or 1, 1)
 
     def refusal(
         self, stage: str, priority: Priority, live: LiveCount = no_live_counts
@@ -106,9 +109,12 @@ class RefusalMemory:
         """A local 503 while every live replica of a deployment behind ``stage`` is full."""
         now = self._clock()
         for deployment in list(self._refused.get(priority, {})):
-            if self.has_room(deployment, priority, live):
+            # One reading of what is active: a refusal expiring between two readings would
+            # leave "full" decided over entries that are gone (a count refusal lasts ms).
+            active = self._active(priority, deployment)
+            if not self._full(active, deployment, live):
                 continue
-            retry_at = min(r for _, r in self._active(priority, deployment).values())
+            retry_at = min(r for _, r in active.values())
             return RequestError(
                 503,
                 f"the {stage} stage is overloaded (every replica refused {priority} requests "

@@ -137,6 +137,26 @@ def test_a_refusal_by_count_is_remembered_only_as_long_as_it_says() -> None:
     assert fresh is not None and fresh.full_for_s == 0.0
 
 
+def test_a_refusal_expiring_while_the_memory_is_read_is_decided_on_one_reading() -> None:
+    """Seen under 3x generate overload (one 500, ``min()`` of nothing): a count refusal
+    expired between the memory's "is every replica full?" and its Retry-After reading."""
+    ticks = iter([0.0, 0.0, 0.05, 0.2, 0.2, 0.2])  # record, record, then each read later
+    memory = RefusalMemory(window_s=1.25, clock=lambda: next(ticks))
+    one = {"generate/small": 1}.get
+    brief = RequestError(
+        503,
+        "full",
+        code="overloaded",
+        retry_after_s=1.0,
+        replica="a",
+        deployment="generate/small",
+        full_for_s=0.1,
+    )
+    memory.record(brief, "batch")
+    local = memory.refusal("small", "batch", one)  # full when read at 0.05, gone by 0.2
+    assert local is not None and local.status_code == 503 and local.retry_after_s == 1.0
+
+
 def test_only_overload_refusals_are_retried() -> None:
     """Anything else may have done work (a generation must never run twice)."""
     for error in (
