@@ -56,8 +56,9 @@ class RefusalMemory:
     computes on. A replica that refuses for queued work (``max_queue_delay_ms``) is certainly
     still full for a moment; one that refuses by count says for how long (``full_for_s``),
     and is remembered no longer. The ingress answers requests of that tier itself only while
-    every live replica of the deployment has refused within its window. The window is short next to any queue bound, so the model never runs dry; an
-    interactive refusal covers the batch tier too (its bounds are lower).
+    every live replica of the deployment has refused within its window. The window is short
+    next to any queue bound, so the model never runs dry; an interactive refusal covers the
+    batch tier too (its bounds are lower).
     """
 
     # Longer than the ingress holds a refusal (1 s), so the requests that arrive meanwhile
