@@ -1142,6 +1142,28 @@ def worker_process_layout(config: dict[str, Any]) -> None:
     small.setdefault("vllm", {})["cpu_executor"] = "mp"
 
 
+def worker_process_embed_core1_layout(config: dict[str, Any]) -> None:
+    """vLLM-CPU's own layout (worker process bound to core 0, ``cpu_executor: mp``) with the
+    embedder's process on core 1: generation gets a core as vLLM's server takes one, and the
+    embedder computes beside the engine core's spinning and Ray's serving path."""
+    worker_process_layout(config)
+    embedder_priority_layout(cpu_cores=[1])(config)
+
+
+def two_engine_layout(config: dict[str, Any]) -> None:
+    """serve.yaml with two small generator replicas, each vLLM's engine on one thread
+    (``uni``), so generation can use both cores without an OpenMP team: a thread that loses
+    its core to another process stalls only its own replica's step, not a barrier. Each
+    reserves half the one replica's CPU, so the config still fits 2 cores."""
+    small = app_entry(config, "generate")["args"]["small"]
+    small.setdefault("replica", {})["num_cpus"] = small["replica"].get("num_cpus", 0.3) / 2
+    deployments = app_entry(config, "generate").setdefault("deployments", [])
+    entry = next((d for d in deployments if d["name"] == "small"), None)
+    if entry is None:
+        raise KeyError("serve.yaml's generate app has no 'small' deployment entry")
+    entry["num_replicas"] = 2
+
+
 def two_thread_layout(config: dict[str, Any]) -> None:
     """serve.yaml with vLLM's engine core computing on two OpenMP threads placed by the OS
     (``cpu_executor: uni``, ``cpu_threads: 2``): what one engine makes of both cores through
@@ -1201,7 +1223,9 @@ CARPOOL_LAYOUTS: dict[str, Callable[[dict[str, Any]], None] | None] = {
     "carpool-reserved": reserved_layout,
     "carpool-allcores": allcores_layout,
     "carpool-mp": worker_process_layout,
+    "carpool-mp-embed-core1": worker_process_embed_core1_layout,
     "carpool-uni2": two_thread_layout,
+    "carpool-small2": two_engine_layout,
     "carpool-uni2-haproxy": two_thread_layout,  # and Ray's HAProxy ingress (CARPOOL_RAY_ENV)
     "carpool-direct": streaming_layout(direct=True),
     "carpool-ingress": streaming_layout(direct=False),
