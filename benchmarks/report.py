@@ -349,7 +349,12 @@ def headline_markdown(results: dict[str, Any]) -> str:
     for key, f in (head.get("figures") or {}).items():
         met = {True: "met", False: "**missed**", None: "-"}[f.get("met")]
         digits = 0 if key.endswith("refused") else 2
-        value = f"undefined: {f['undefined']}" if f.get("undefined") else spread(f, digits)
+        if f.get("not_held"):
+            value = f"not held: {f['not_held']}"
+        elif f.get("undefined"):
+            value = f"undefined: {f['undefined']}"
+        else:
+            value = spread(f, digits) + (f" ({f['basis']})" if f.get("basis") else "")
         rows.append([f"`{key}`", f["what"], value, f.get("target") or "-", met])
     return table(["key", "what", "median (min-max)", "target", ""], rows)
 

@@ -684,3 +684,35 @@ def test_a_baseline_that_meets_the_slo_at_no_rate_makes_the_ratio_undefined_not_
     # Both at no rate is no finding at all: still a miss.
     results["slo"]["carpool"]["slo_ms"] = _windows([0, 0, 0])
     assert headline(results)["figures"]["vs_naive"]["met"] is False
+
+
+def test_a_searched_rate_carpool_never_held_gives_no_ratio_but_a_held_lower_rate_does() -> None:
+    from benchmarks.report import headline_markdown
+    from benchmarks.suite import headline
+
+    results = _paired_results()
+    results["slo"]["carpool"]["slo_ms"]["rate"] = 5.9
+    for w, p99 in zip(results["slo"]["carpool"]["slo_ms"]["windows"], [734, 508, 582]):
+        w.update(passed_slo_ms=False, slo_p99_ms=p99)
+    results["slo"]["carpool"]["slowdown"]["rate"] = 3.0
+    # Its slowdown windows (20 items/s, each under the SLO) are the rate it held.
+    results["headline"] = head = headline(results)
+    f = head["figures"]["vs_naive"]
+    assert f["median"] == pytest.approx(2.0) and f["met"] is False  # 20 / 10, target 3
+    assert "in no confirmation window (p99 508-734 ms)" in f["basis"]
+    assert "slowdown windows at 3.00 req/s, which held it in 3 of 3: a lower bound" in f["basis"]
+    assert head["figures"]["vs_serve_batch"]["median"] == pytest.approx(20 / 30)
+    assert head["figures"]["vs_offline"]["median"] == pytest.approx(0.2)
+    assert "2.00 (carpool held p99 <= SLO at its searched rate (5.90" in headline_markdown(results)
+    # Held at neither rate: no figure, and a miss.
+    results["slo"]["carpool"]["slowdown"]["windows"][0]["passed_slo_ms"] = False
+    head = headline(results)
+    for key in ("vs_naive", "vs_serve_batch"):
+        f = head["figures"][key]
+        assert f["median"] is None and f["met"] is False and "nor at a lower rate" in f["not_held"]
+        assert head["met"][key] is False
+    assert head["figures"]["vs_offline"]["median"] is None
+    # One confirmation window held at the searched rate: its ratio stands.
+    results["slo"]["carpool"]["slo_ms"]["windows"][1]["passed_slo_ms"] = True
+    f = headline(results)["figures"]["vs_naive"]
+    assert f["median"] == pytest.approx(3.0) and "basis" not in f and "not_held" not in f
