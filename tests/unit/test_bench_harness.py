@@ -692,7 +692,7 @@ def test_a_searched_rate_carpool_never_held_gives_no_ratio_but_a_held_lower_rate
 
     results = _paired_results()
     results["slo"]["carpool"]["slo_ms"]["rate"] = 5.9
-    for w, p99 in zip(results["slo"]["carpool"]["slo_ms"]["windows"], [734, 508, 582]):
+    for w, p99 in zip(results["slo"]["carpool"]["slo_ms"]["windows"], [734, 508, 582], strict=True):
         w.update(passed_slo_ms=False, slo_p99_ms=p99)
     results["slo"]["carpool"]["slowdown"]["rate"] = 3.0
     # Its slowdown windows (20 items/s, each under the SLO) are the rate it held.
