@@ -462,8 +462,30 @@ def test_carpool_layouts_change_only_their_thread_knobs() -> None:
             assert embedder["replica"].pop(field) == value
         assert lowered == shipped
 
+    # vLLM's own layout with the embedder on core 1: the two changes above, together.
+    split = copy.deepcopy(shipped)
+    peers.worker_process_embed_core1_layout(split)
+    assert knobs(split)[1].pop("cpu_executor") == "mp"
+    assert knobs(split)[0].pop("cpu_cores") == [1]
+    assert split == shipped
+
+    # Two small engines: two replicas, each reserving half the CPU, nothing else.
+    engines = copy.deepcopy(shipped)
+    peers.two_engine_layout(engines)
+    small_args = peers.app_entry(engines, "generate")["args"]["small"]
+    shipped_cpus = peers.app_entry(shipped, "generate")["args"]["small"]["replica"]["num_cpus"]
+    assert small_args["replica"]["num_cpus"] == shipped_cpus / 2
+    small_args["replica"]["num_cpus"] = shipped_cpus
+    small_entry = next(
+        d for d in peers.app_entry(engines, "generate")["deployments"] if d["name"] == "small"
+    )
+    assert small_entry.pop("num_replicas") == 2
+    assert engines == shipped
+
     assert set(peers.CARPOOL_LAYOUTS) == {
         "carpool",
+        "carpool-mp-embed-core1",
+        "carpool-small2",
         "carpool-embed-nice",
         "carpool-embed-nice10",
         "carpool-embed-idle",
