@@ -1117,6 +1117,15 @@ def app_entry(config: dict[str, Any], name: str) -> dict[str, Any]:
     raise KeyError(f"serve.yaml has no application {name!r}")
 
 
+def small_deployment(config: dict[str, Any]) -> dict[str, Any]:
+    """The generate app's ``small`` entry under ``deployments:`` (edited in place)."""
+    deployments = app_entry(config, "generate").get("deployments", [])
+    small = next((d for d in deployments if d["name"] == "small"), None)
+    if small is None:  # else a variant would quietly be serve.yaml itself
+        raise KeyError("serve.yaml's generate app has no 'small' deployment entry")
+    return small
+
+
 def reserved_layout(config: dict[str, Any]) -> None:
     """serve.yaml as it was before idle cores: the embedder computes on its reservation (one
     thread) and vLLM's binding keeps a core for the frontend (its default on two cores)."""
@@ -1157,11 +1166,7 @@ def two_engine_layout(config: dict[str, Any]) -> None:
     reserves half the one replica's CPU, so the config still fits 2 cores."""
     small = app_entry(config, "generate")["args"]["small"]
     small.setdefault("replica", {})["num_cpus"] = small["replica"].get("num_cpus", 0.3) / 2
-    deployments = app_entry(config, "generate").setdefault("deployments", [])
-    entry = next((d for d in deployments if d["name"] == "small"), None)
-    if entry is None:
-        raise KeyError("serve.yaml's generate app has no 'small' deployment entry")
-    entry["num_replicas"] = 2
+    small_deployment(config)["num_replicas"] = 2
 
 
 def two_thread_layout(config: dict[str, Any]) -> None:
@@ -1208,11 +1213,7 @@ def stream_interval_layout(ms: float) -> Callable[[dict[str, Any]], None]:
     messages (``stream_interval_ms``; 8 tokens still send at once)."""
 
     def layout(config: dict[str, Any]) -> None:
-        deployments = app_entry(config, "generate").get("deployments", [])
-        small = next((d for d in deployments if d["name"] == "small"), None)
-        if small is None:  # else the variant would quietly be serve.yaml itself
-            raise KeyError("serve.yaml's generate app has no 'small' deployment entry")
-        small.setdefault("user_config", {})["stream_interval_ms"] = ms
+        small_deployment(config).setdefault("user_config", {})["stream_interval_ms"] = ms
 
     return layout
 

@@ -331,9 +331,12 @@ def headline(out: dict[str, Any]) -> dict[str, Any]:
         theirs = items("slo", other, slo)
         h[key] = headline_entry(key, paired_ratios(ours, theirs))
         held = passed_windows("carpool", slo)
-        if not_held:
-            h[key].update(median=None, met=False, not_held=not_held)
-        elif any(ours) and theirs and (not any(theirs) or not passed_windows(other, slo)):
+        if (
+            not not_held
+            and any(ours)
+            and theirs
+            and (not any(theirs) or not passed_windows(other, slo))
+        ):
             # On a slow CPU the baseline's largest requests take over the SLO on an idle
             # server: it meets it at no rate (or its search found a rate by luck in a short
             # probe that no 300-request confirmation window then held; 20:27 run: naive
@@ -347,16 +350,16 @@ def headline(out: dict[str, Any]) -> dict[str, Any]:
                 f"{median_spread(ours)['median']:.1f} items/s there and held it in {held} of "
                 f"{len(ours)} windows: compare by slowdown",
             )
-        elif basis:
-            h[key]["basis"] = basis
     offline = (out.get("offline", {}).get("best") or {}).get("items_per_s")
     h["vs_offline"] = headline_entry(
         "vs_offline", [x / offline if x and offline else None for x in ours]
     )
-    if not_held:
-        h["vs_offline"].update(median=None, not_held=not_held)
-    elif basis:
-        h["vs_offline"]["basis"] = basis
+    for key in ("vs_naive", "vs_serve_batch", "vs_offline"):
+        if not_held:
+            h[key].update(median=None, not_held=not_held)
+            h[key]["met"] = None if key in UNTARGETED else False
+        elif basis and "undefined" not in h[key]:
+            h[key]["basis"] = basis
     for key, other in (("slowdown_vs_naive", "naive"), ("slowdown_vs_serve_batch", "serve-batch")):
         h[key] = headline_entry(
             key, paired_ratios(items("slo", "carpool", "slowdown"), items("slo", other, "slowdown"))
