@@ -1177,6 +1177,14 @@ def two_thread_layout(config: dict[str, Any]) -> None:
     small.setdefault("vllm", {}).update(cpu_executor="uni", cpu_threads=2)
 
 
+def two_thread_embed_nice10_layout(config: dict[str, Any]) -> None:
+    """Two OpenMP threads for the engine (``two_thread_layout``) with the embedder at nice 10:
+    a barrier stalls when a team thread loses its core, so the embedder steps aside for the
+    team instead of taking slices from it, and computes on what the team leaves."""
+    two_thread_layout(config)
+    embedder_priority_layout(cpu_niceness=10)(config)
+
+
 def embedder_priority_layout(**replica: Any) -> Callable[[dict[str, Any]], None]:
     """serve.yaml with the embedder's replica at a lower CPU priority (``replica.cpu_niceness``
     or ``cpu_scheduling``), so on a contended core it yields to the generator's engine, or on
@@ -1227,6 +1235,7 @@ CARPOOL_LAYOUTS: dict[str, Callable[[dict[str, Any]], None] | None] = {
     "carpool-mp-embed-core1": worker_process_embed_core1_layout,
     "carpool-uni2": two_thread_layout,
     "carpool-small2": two_engine_layout,
+    "carpool-uni2-embed-nice10": two_thread_embed_nice10_layout,
     "carpool-uni2-haproxy": two_thread_layout,  # and Ray's HAProxy ingress (CARPOOL_RAY_ENV)
     "carpool-direct": streaming_layout(direct=True),
     "carpool-ingress": streaming_layout(direct=False),

@@ -482,8 +482,16 @@ def test_carpool_layouts_change_only_their_thread_knobs() -> None:
     assert small_entry.pop("num_replicas") == 2
     assert engines == shipped
 
+    # Two engine threads with the embedder at nice 10: the two-thread and nice-10 changes.
+    team = copy.deepcopy(shipped)
+    peers.two_thread_embed_nice10_layout(team)
+    assert (knobs(team)[1].pop("cpu_executor"), knobs(team)[1].pop("cpu_threads")) == ("uni", 2)
+    assert knobs(team)[0].pop("cpu_niceness") == 10
+    assert team == shipped
+
     assert set(peers.CARPOOL_LAYOUTS) == {
         "carpool",
+        "carpool-uni2-embed-nice10",
         "carpool-mp-embed-core1",
         "carpool-small2",
         "carpool-embed-nice",
