@@ -1185,6 +1185,16 @@ def two_thread_embed_nice10_layout(config: dict[str, Any]) -> None:
     embedder_priority_layout(cpu_niceness=10)(config)
 
 
+def seqs128_layout(config: dict[str, Any]) -> None:
+    """serve.yaml with the small engine's batch at 128 sequences (vLLM's OpenAI server's
+    default on CPU) instead of 64, and the replica's Serve queue widened to match."""
+    small = app_entry(config, "generate")["args"]["small"]
+    small.setdefault("vllm", {})["max_num_seqs"] = 128
+    entry = small_deployment(config)
+    entry.setdefault("user_config", {})["max_num_seqs"] = 128
+    entry["max_ongoing_requests"] = entry["max_queued_requests"] = 384
+
+
 def embedder_priority_layout(**replica: Any) -> Callable[[dict[str, Any]], None]:
     """serve.yaml with the embedder's replica at a lower CPU priority (``replica.cpu_niceness``
     or ``cpu_scheduling``), so on a contended core it yields to the generator's engine, or on
@@ -1236,6 +1246,7 @@ CARPOOL_LAYOUTS: dict[str, Callable[[dict[str, Any]], None] | None] = {
     "carpool-uni2": two_thread_layout,
     "carpool-small2": two_engine_layout,
     "carpool-uni2-embed-nice10": two_thread_embed_nice10_layout,
+    "carpool-seqs128": seqs128_layout,
     "carpool-uni2-haproxy": two_thread_layout,  # and Ray's HAProxy ingress (CARPOOL_RAY_ENV)
     "carpool-direct": streaming_layout(direct=True),
     "carpool-ingress": streaming_layout(direct=False),

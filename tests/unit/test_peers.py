@@ -489,8 +489,23 @@ def test_carpool_layouts_change_only_their_thread_knobs() -> None:
     assert knobs(team)[0].pop("cpu_niceness") == 10
     assert team == shipped
 
+    # 128 sequences: the engine's and the replica's batch, and the Serve queue to hold them.
+    wide = copy.deepcopy(shipped)
+    peers.seqs128_layout(wide)
+    assert knobs(wide)[1]["max_num_seqs"] == 128
+    knobs(wide)[1]["max_num_seqs"] = knobs(shipped)[1]["max_num_seqs"]
+    wide_small = peers.small_deployment(wide)
+    shipped_small = peers.small_deployment(shipped)
+    assert wide_small["user_config"]["max_num_seqs"] == 128
+    wide_small["user_config"]["max_num_seqs"] = shipped_small["user_config"]["max_num_seqs"]
+    assert wide_small["max_ongoing_requests"] == wide_small["max_queued_requests"] == 384
+    for field in ("max_ongoing_requests", "max_queued_requests"):
+        wide_small[field] = shipped_small[field]
+    assert wide == shipped
+
     assert set(peers.CARPOOL_LAYOUTS) == {
         "carpool",
+        "carpool-seqs128",
         "carpool-uni2-embed-nice10",
         "carpool-mp-embed-core1",
         "carpool-small2",
