@@ -1191,8 +1191,11 @@ def seqs128_layout(config: dict[str, Any]) -> None:
     small = app_entry(config, "generate")["args"]["small"]
     small.setdefault("vllm", {})["max_num_seqs"] = 128
     entry = small_deployment(config)
-    entry.setdefault("user_config", {})["max_num_seqs"] = 128
-    entry["max_ongoing_requests"] = entry["max_queued_requests"] = 384
+    user_config = entry.setdefault("user_config", {})
+    user_config["max_num_seqs"] = 128
+    # Every running and waiting sequence may be in the replica at once (as serve.yaml sizes it).
+    held = 128 + user_config.get("max_waiting", 256)
+    entry["max_ongoing_requests"] = entry["max_queued_requests"] = held
 
 
 def embedder_priority_layout(**replica: Any) -> Callable[[dict[str, Any]], None]:

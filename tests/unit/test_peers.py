@@ -422,8 +422,7 @@ def test_carpool_layouts_change_only_their_thread_knobs() -> None:
 
     # The stream-interval variant changes only the small generator's stream_interval_ms.
     def small_user_config(config: dict) -> dict:
-        entry = peers.app_entry(config, "generate")
-        return next(d for d in entry["deployments"] if d["name"] == "small")["user_config"]
+        return peers.small_deployment(config)["user_config"]
 
     held = copy.deepcopy(shipped)
     layout = peers.CARPOOL_LAYOUTS["carpool-stream1s"]
@@ -476,10 +475,7 @@ def test_carpool_layouts_change_only_their_thread_knobs() -> None:
     shipped_cpus = peers.app_entry(shipped, "generate")["args"]["small"]["replica"]["num_cpus"]
     assert small_args["replica"]["num_cpus"] == shipped_cpus / 2
     small_args["replica"]["num_cpus"] = shipped_cpus
-    small_entry = next(
-        d for d in peers.app_entry(engines, "generate")["deployments"] if d["name"] == "small"
-    )
-    assert small_entry.pop("num_replicas") == 2
+    assert peers.small_deployment(engines).pop("num_replicas") == 2
     assert engines == shipped
 
     # Two engine threads with the embedder at nice 10: the two-thread and nice-10 changes.
