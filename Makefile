@@ -45,8 +45,13 @@ $(INSTALLED): pyproject.toml Makefile
 models: install vllm-venv
 	$(PY) -m carpool.prepare serve.yaml
 
+# Ray's HAProxy ingress (carpool/haproxy.py): HAProxy on :8000 routes each route prefix to
+# its ingress replica's own port, with no Python proxy on the request path; its stats page and
+# exporter bind 127.0.0.1. RAY_SERVE_ENABLE_HA_PROXY=0 make serve keeps Serve's Python proxy.
+RAY_INGRESS_ENV = eval "$$($(PY) -m carpool.haproxy env)"
+
 serve: models
-	$(VENV)/bin/serve run serve.yaml
+	$(RAY_INGRESS_ENV) && $(VENV)/bin/serve run serve.yaml
 
 # A GPU node: what cluster.yaml runs on its head and every GPU worker (the Dockerfile does the
 # same in Ray's image). vLLM's CUDA build (the `vllm` extra, which pins torch 2.13.0: `install`

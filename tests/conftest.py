@@ -52,6 +52,20 @@ def _free_port() -> int:
 def ray_session() -> Iterator[None]:
     import ray
 
+    from carpool.haproxy import ray_environment
+
+    # The tests' Ray runs carpool's shipped ingress (Ray's HAProxy, carpool/haproxy.py) unless
+    # RAY_SERVE_ENABLE_HA_PROXY=0 asks for Serve's Python proxy; its stats page and exporter
+    # and Serve's fallback proxy on free ports, so a `make serve` beside the tests keeps 8404,
+    # 9101 and 8500.
+    os.environ.update(
+        ray_environment(
+            enabled=os.environ.get("RAY_SERVE_ENABLE_HA_PROXY", "1") != "0",
+            stats_port=_free_port(),
+            metrics_port=_free_port(),
+            fallback_port=_free_port(),
+        )
+    )
     # Logical CPUs above the 2 real cores: tiny test replicas need scheduling room, not cores.
     # address="local": always a fresh cluster of our own, never one a `ray start` left running.
     ray.init(address="local", num_cpus=8, include_dashboard=False, log_to_driver=False)

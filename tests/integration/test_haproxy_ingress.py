@@ -1,0 +1,191 @@
+"""carpool's shipped ingress on a real Ray: HAProxy in front of each ingress replica's own port.
+
+The session's Ray starts with ``carpool.haproxy.ray_environment()`` (tests/conftest.py), as
+``make serve`` and ``cluster.yaml`` start theirs. Checked here on the live processes:
+nothing the ingress opens listens beyond loopback, the admin socket is private, and a long
+stream survives the HAProxy reload that adding an ingress replica causes.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import socket
+import sys
+import threading
+import time
+from pathlib import Path
+
+import cloudpickle
+import httpx
+import pytest
+from fastapi import FastAPI
+from fastapi.responses import StreamingResponse
+from ray import serve
+
+pytestmark = pytest.mark.skipif(
+    os.environ.get("RAY_SERVE_ENABLE_HA_PROXY", "1") == "0",
+    reason="RAY_SERVE_ENABLE_HA_PROXY=0: the session runs Serve's Python proxy",
+)
+
+stream_api = FastAPI()
+
+
+@serve.ingress(stream_api)
+class Streamer:
+    """1,000 lines, one every few ms: a token stream without a model."""
+
+    @stream_api.get("/stream")
+    async def stream(self, n: int = 1000, delay_ms: float = 10.0) -> StreamingResponse:
+        async def lines():
+            for i in range(n):
+                yield f"{i}\n"
+                await asyncio.sleep(delay_ms / 1000)
+
+        return StreamingResponse(lines(), media_type="text/plain")
+
+    @stream_api.get("/hi")
+    def hi(self) -> dict[str, bool]:
+        return {"ok": True}
+
+
+def streamer(replicas: int):
+    return (
+        serve.deployment(Streamer)
+        .options(
+            name="Streamer",
+            num_replicas=replicas,
+            ray_actor_options={"num_cpus": 0.05},
+            max_ongoing_requests=64,
+        )
+        .bind()
+    )
+
+
+def haproxy_pids() -> list[int]:
+    """Live HAProxy processes started from this session's Ray (its config under our node)."""
+    pids = []
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            argv = (entry / "cmdline").read_bytes().split(b"\0")
+        except OSError:
+            continue
+        if argv and argv[0].endswith(b"/haproxy") and b"-f" in argv:
+            pids.append(int(entry.name))
+    return pids
+
+
+def listening(pid: int) -> list[tuple[str, int]]:
+    """(address, port) of every TCP socket ``pid`` listens on, from /proc/net/tcp{,6}."""
+    inodes = set()
+    for fd in Path(f"/proc/{pid}/fd").iterdir():
+        try:
+            target = os.readlink(fd)
+        except OSError:
+            continue
+        if target.startswith("socket:["):
+            inodes.add(target[8:-1])
+    found = []
+    for table, family in (("tcp", socket.AF_INET), ("tcp6", socket.AF_INET6)):
+        for line in Path(f"/proc/{pid}/net/{table}").read_text().splitlines()[1:]:
+            fields = line.split()
+            local, state, inode = fields[1], fields[3], fields[9]
+            if state != "0A" or inode not in inodes:  # 0A: LISTEN
+                continue
+            hex_addr, hex_port = local.split(":")
+            raw = bytes.fromhex(hex_addr)
+            if family == socket.AF_INET:
+                addr = socket.inet_ntop(family, raw[::-1])
+            else:  # four little-endian 32-bit words
+                addr = socket.inet_ntop(
+                    family, b"".join(raw[i : i + 4][::-1] for i in range(0, 16, 4))
+                )
+            found.append((addr, int(hex_port, 16)))
+    return found
+
+
+def is_loopback(addr: str) -> bool:
+    return addr.startswith("127.") or addr in ("::1", "::ffff:127.0.0.1")
+
+
+@pytest.fixture(scope="module")
+def stream_app(serve_http: str) -> str:
+    cloudpickle.register_pickle_by_value(sys.modules[__name__])
+    serve.run(streamer(1), name="hap-stream", route_prefix="/hap-stream")
+    deadline = time.monotonic() + 60
+    while True:  # HAProxy learns the route after the app is RUNNING
+        try:
+            if httpx.get(f"{serve_http}/hap-stream/hi", timeout=5).status_code == 200:
+                break
+        except httpx.HTTPError:
+            pass
+        assert time.monotonic() < deadline, "the ingress never answered through HAProxy"
+        time.sleep(0.5)
+    yield f"{serve_http}/hap-stream"
+    serve.delete("hap-stream")
+
+
+def test_everything_the_ingress_opens_is_on_loopback(stream_app: str) -> None:
+    pids = haproxy_pids()
+    assert pids, "no HAProxy process: the session's Ray did not start the HAProxy ingress"
+    sockets = [s for pid in pids for s in listening(pid)]
+    ports = {port for _, port in sockets}
+    assert int(os.environ["RAY_SERVE_HAPROXY_STATS_PORT"]) in ports
+    assert int(os.environ["RAY_SERVE_HAPROXY_METRICS_PORT"]) in ports
+    assert [s for s in sockets if not is_loopback(s[0])] == []
+    # The stats page answers on loopback (it is there for operators on the box).
+    stats = httpx.get(f"http://127.0.0.1:{os.environ['RAY_SERVE_HAPROXY_STATS_PORT']}/stats")
+    assert stats.status_code == 200
+
+
+def test_admin_socket_is_private(stream_app: str) -> None:
+    sockets = [p for p in Path("/tmp/haproxy-serve").glob("*/admin.sock")]
+    assert sockets
+    # Ours is the newest (a `make serve` beside the tests may own an older one).
+    newest = max(sockets, key=lambda p: p.stat().st_mtime)
+    assert newest.stat().st_mode & 0o077 == 0, oct(newest.stat().st_mode)
+
+
+def test_long_stream_survives_an_ingress_replica_being_added(stream_app: str) -> None:
+    before = set(haproxy_pids())
+    lines: list[str] = []
+    errors: list[BaseException] = []
+
+    def read() -> None:
+        try:
+            with httpx.stream("GET", f"{stream_app}/stream?n=1000&delay_ms=50", timeout=120) as r:
+                assert r.status_code == 200
+                lines.extend(r.iter_lines())
+        except BaseException as exc:  # surfaced below
+            errors.append(exc)
+
+    reader = threading.Thread(target=read)
+    reader.start()
+    deadline = time.monotonic() + 30
+    while not lines and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert lines, "the stream never started"
+    # A second ingress replica: a new HAProxy server line, so Ray reloads HAProxy.
+    # serve.run returns once the app is RUNNING again (about 30 s here): from a thread, so
+    # the stream is watched while it scales.
+    scaler = threading.Thread(
+        target=serve.run,
+        args=(streamer(2),),
+        kwargs={"name": "hap-stream", "route_prefix": "/hap-stream"},
+    )
+    scaler.start()
+    deadline = time.monotonic() + 90
+    while time.monotonic() < deadline:
+        states = serve.status().applications["hap-stream"].deployments["Streamer"].replica_states
+        if states.get("RUNNING", 0) == 2 and set(haproxy_pids()) - before:
+            break
+        time.sleep(0.5)
+    else:
+        pytest.fail(f"no second replica or no HAProxy reload within 90 s: {states}")
+    assert len(lines) < 1000, "the stream ended before the reload: it tested nothing"
+    reader.join(timeout=120)
+    scaler.join(timeout=120)
+    assert not errors, errors
+    assert lines == [str(i) for i in range(1000)]

@@ -1,0 +1,138 @@
+"""carpool's HAProxy wrapper against the config Ray 2.60 really generates (no Ray cluster).
+
+The config is rendered from Ray's own template with Ray's own ``HAProxyConfig`` defaults, so a
+Ray upgrade that moves a bind shows up here; the hardened text is then checked by the real
+HAProxy binary (``haproxy -c``), so a rewrite that breaks the syntax fails here too.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from carpool import haproxy
+
+
+def ray_generated_config() -> str:
+    jinja2 = pytest.importorskip("jinja2")
+    from ray.serve._private.haproxy import HAProxyConfig
+    from ray.serve._private.haproxy_templates import HAPROXY_CONFIG_TEMPLATE
+
+    env = jinja2.Environment()
+    env.filters["haproxy_fmt"] = lambda v: str(v)
+    cfg = HAProxyConfig(socket_path="/tmp/carpool-test/admin.sock", metrics_enabled=False)
+    # Ray ends the file with a newline (HAProxy refuses one without).
+    return (
+        "\n"
+        + env.from_string(HAPROXY_CONFIG_TEMPLATE)
+        .render(
+            config=cfg,
+            backends=[],
+            grpc_backends=[],
+            backends_with_health_config=[],
+            route_info=cfg.build_health_route_info([]),
+        )
+        .strip("\n")
+        + "\n"
+    )
+
+
+def binds(text: str) -> list[str]:
+    return [m.group(1) for m in re.finditer(r"^\s*bind\s+(\S+)", text, flags=re.M)]
+
+
+def test_ray_template_opens_what_the_wrapper_closes() -> None:
+    raw = ray_generated_config()
+    # If Ray ever stops binding these everywhere, this test says so (and the wrapper's
+    # reason to exist should be re-read).
+    assert any(b.startswith(("*:", ":")) for b in binds(raw)), binds(raw)
+    assert re.search(r"stats socket \S+ mode 666", raw)
+
+
+def test_hardened_config_binds_only_the_given_hosts() -> None:
+    hardened = haproxy.harden_config(ray_generated_config())
+    addresses = binds(hardened)
+    assert addresses, "no bind lines at all"
+    assert not [b for b in addresses if b.startswith(("*:", ":", "0.0.0.0:"))], addresses
+    assert "127.0.0.1:8404" in addresses  # stats page
+    assert "127.0.0.1:9101" in addresses  # Prometheus exporter
+    assert re.search(r"stats socket \S+ mode 600 level admin", hardened)
+    assert "mode 666" not in hardened
+
+
+def test_cluster_exporter_host_is_separate_from_the_stats_page() -> None:
+    hardened = haproxy.harden_config(ray_generated_config(), metrics_host="0.0.0.0")
+    assert "0.0.0.0:9101" in binds(hardened)  # Prometheus on other nodes scrapes it
+    assert "127.0.0.1:8404" in binds(hardened)  # the unauthenticated page stays local
+
+
+def test_ipv6_hosts_are_bracketed() -> None:
+    hardened = haproxy.harden_config("listen stats\n  bind *:8404\n", stats_host="::1")
+    assert binds(hardened) == ["[::1]:8404"]
+
+
+def test_explicit_binds_are_left_alone() -> None:
+    text = "frontend http_frontend\n    bind 10.0.0.5:8000\n"
+    assert haproxy.harden_config(text) == text
+
+
+def test_real_haproxy_accepts_the_hardened_config(tmp_path: Path) -> None:
+    text = ray_generated_config().replace("/tmp/carpool-test", str(tmp_path))
+    cfg = tmp_path / "haproxy.cfg"
+    cfg.write_text(text)
+    env = {**os.environ, haproxy.STATS_HOST_VAR: "127.0.0.1"}
+    env.pop("RAY_SERVE_HAPROXY_BINARY_PATH", None)
+    # Through the wrapper as Ray runs it: rewrite in place, then exec the real binary.
+    proc = subprocess.run(
+        [sys.executable, "-c", "from carpool.haproxy import main; main()", "-c", "-f", str(cfg)],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert proc.returncode == 0, proc.stderr + proc.stdout
+    assert "127.0.0.1:8404" in binds(cfg.read_text())
+
+
+def test_wrapper_never_resolves_to_itself(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv(haproxy.REAL_BINARY_VAR, raising=False)
+    monkeypatch.setenv("RAY_SERVE_HAPROXY_BINARY_PATH", haproxy.wrapper_path())
+    binary = haproxy.real_binary()
+    assert Path(binary).name != haproxy.WRAPPER_NAME
+    assert os.access(binary, os.X_OK)
+    # and the caller's environment is as it was
+    assert os.environ["RAY_SERVE_HAPROXY_BINARY_PATH"] == haproxy.wrapper_path()
+
+
+def test_environment_and_opt_out() -> None:
+    env = haproxy.ray_environment(stats_port=18404, metrics_port=19101)
+    assert env["RAY_SERVE_ENABLE_HA_PROXY"] == "1"
+    assert Path(env["RAY_SERVE_HAPROXY_BINARY_PATH"]).name == haproxy.WRAPPER_NAME
+    assert int(env["RAY_SERVE_HAPROXY_HARD_STOP_AFTER_S"]) >= 3600
+    assert env["RAY_SERVE_HAPROXY_STATS_PORT"] == "18404"
+    assert haproxy.ray_environment(enabled=False) == {"RAY_SERVE_ENABLE_HA_PROXY": "0"}
+
+
+def test_env_command_prints_shell_exports() -> None:
+    out = subprocess.run(
+        [sys.executable, "-m", "carpool.haproxy", "env", "--metrics-host", "0.0.0.0"],
+        capture_output=True,
+        text=True,
+        check=True,
+        env={k: v for k, v in os.environ.items() if k != "RAY_SERVE_ENABLE_HA_PROXY"},
+    ).stdout
+    assert "export RAY_SERVE_ENABLE_HA_PROXY=1" in out
+    assert "export CARPOOL_HAPROXY_METRICS_HOST=0.0.0.0" in out
+    off = subprocess.run(
+        [sys.executable, "-m", "carpool.haproxy", "env"],
+        capture_output=True,
+        text=True,
+        check=True,
+        env={**os.environ, "RAY_SERVE_ENABLE_HA_PROXY": "0"},
+    ).stdout
+    assert off.strip() == "export RAY_SERVE_ENABLE_HA_PROXY=0"
