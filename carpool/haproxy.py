@@ -157,6 +157,7 @@ def wrapper_path() -> str:
 def ray_environment(
     *,
     enabled: bool = True,
+    binary: str | None = None,
     stats_port: int | None = None,
     metrics_port: int | None = None,
     fallback_port: int | None = None,
@@ -172,7 +173,8 @@ def ray_environment(
         return {ENABLE_VAR: "0"}
     env = {
         ENABLE_VAR: "1",
-        "RAY_SERVE_HAPROXY_BINARY_PATH": wrapper_path(),
+        # Where the wrapper is on the nodes (an image's path), else beside this Python.
+        "RAY_SERVE_HAPROXY_BINARY_PATH": binary or wrapper_path(),
         "RAY_SERVE_HAPROXY_HARD_STOP_AFTER_S": str(hard_stop_after_s),
         STATS_HOST_VAR: stats_host,
         METRICS_HOST_VAR: metrics_host,

@@ -22,8 +22,10 @@ def prometheus_config(
     sd_file: str | None = None,
     static_targets: list[str] | None = None,
     scrape_interval_s: float = 5.0,
+    haproxy_targets: list[str] | None = None,
 ) -> str:
-    """A Prometheus config scraping Ray's metrics agents (file SD or fixed targets)."""
+    """A Prometheus config scraping Ray's metrics agents (file SD or fixed targets), and the
+    HAProxy ingress's own exporter (``haproxy_*``: queues, connections, per-server state)."""
     lines = [
         "global:",
         f"  scrape_interval: {scrape_interval_s}s",
@@ -38,6 +40,12 @@ def prometheus_config(
         ]
     else:
         lines += ["    file_sd_configs:", f'      - files: ["{sd_file or DEFAULT_SD_FILE}"]']
+    if haproxy_targets:
+        lines += [
+            "  - job_name: haproxy",
+            "    static_configs:",
+            "      - targets: [" + ", ".join(f'"{t}"' for t in haproxy_targets) + "]",
+        ]
     return "\n".join(lines) + "\n"
 
 
@@ -72,9 +80,17 @@ def main(argv: list[str]) -> int:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--port", type=int, default=9090)
     parser.add_argument("--sd-file", default=DEFAULT_SD_FILE)
+    # Ray's HAProxy ingress exports on this port (RAY_SERVE_HAPROXY_METRICS_PORT, carpool binds
+    # it to 127.0.0.1 on one box: carpool/haproxy.py).
+    exporter = os.environ.get("RAY_SERVE_HAPROXY_METRICS_PORT", "9101")
+    parser.add_argument("--haproxy-target", action="append", default=[f"127.0.0.1:{exporter}"])
     parser.add_argument("--workdir", default=os.path.expanduser("~/.cache/carpool/prometheus"))
     args = parser.parse_args(argv)
-    process = start_prometheus(prometheus_config(args.sd_file), Path(args.workdir), args.port)
+    process = start_prometheus(
+        prometheus_config(args.sd_file, haproxy_targets=args.haproxy_target),
+        Path(args.workdir),
+        args.port,
+    )
     print(f"Prometheus on http://127.0.0.1:{args.port}, scraping targets in {args.sd_file}")
     print("Grafana: provision dashboards/provisioning/*.yaml, or `python -m dashboards push`")
     try:

@@ -9,6 +9,7 @@ and `make test` install it where they can).
 from __future__ import annotations
 
 import math
+import os
 import shutil
 import socket
 import threading
@@ -102,11 +103,19 @@ def test_every_panel_query_returns_data(serve_http: str, tiny_models: dict, tmp_
         route_prefix="/dash-generate",
     )
     targets = [f"127.0.0.1:{n['MetricsExportPort']}" for n in ray.nodes() if n["Alive"]]
+    # The HAProxy ingress's own exporter, when the session runs it (tests/conftest.py).
+    exporter = os.environ.get("RAY_SERVE_HAPROXY_METRICS_PORT")
+    haproxy_on = os.environ.get("RAY_SERVE_ENABLE_HA_PROXY") == "1" and exporter
+    haproxy_targets = [f"127.0.0.1:{exporter}"] if haproxy_on else None
     port = _free_port()
     prometheus = start_prometheus(
         # 5 s, and so a 5 s scrape timeout: on a busy machine Ray's metrics agent took over
         # 1 s to answer, and every scrape of a 1 s interval timed out (all panels empty).
-        prometheus_config(static_targets=targets, scrape_interval_s=5),
+        prometheus_config(
+            static_targets=targets,
+            scrape_interval_s=5,
+            haproxy_targets=haproxy_targets,
+        ),
         tmp_path,
         port,
     )
@@ -135,6 +144,10 @@ def test_every_panel_query_returns_data(serve_http: str, tiny_models: dict, tmp_
                     ]
                     if not any(math.isfinite(v) for v in values):
                         missing.append(f"{dashboard.uid}/{panel.title}")
+            if haproxy_targets and not _query(
+                prom, 'haproxy_process_uptime_seconds{job="haproxy"}'
+            ):
+                missing.append("haproxy exporter (job haproxy)")
             if not missing:
                 break
             time.sleep(3)

@@ -136,3 +136,56 @@ def test_env_command_prints_shell_exports() -> None:
         env={**os.environ, "RAY_SERVE_ENABLE_HA_PROXY": "0"},
     ).stdout
     assert off.strip() == "export RAY_SERVE_ENABLE_HA_PROXY=0"
+
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def start_environment(command: str) -> dict[str, str]:
+    """The environment a cluster.yaml start command gives `ray start`, by running everything
+    before it (with this venv's Python standing in for the nodes' ~/carpool/.venv)."""
+    before, sep, _ = command.partition("~/carpool/.venv/bin/ray start")
+    assert sep, command
+    script = before.replace("~/carpool/.venv/bin/python", sys.executable) + " env -0"
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("RAY_SERVE", "CARPOOL_"))}
+    out = subprocess.run(
+        ["bash", "-c", script], capture_output=True, check=True, env=env, cwd=ROOT
+    ).stdout
+    return dict(item.split("=", 1) for item in out.decode().split("\0") if "=" in item)
+
+
+@pytest.mark.parametrize("key", ["head_start_ray_commands", "worker_start_ray_commands"])
+def test_every_cluster_yaml_node_starts_ray_with_the_haproxy_ingress(key: str) -> None:
+    import yaml
+
+    commands = yaml.safe_load((ROOT / "cluster.yaml").read_text())[key]
+    env = start_environment(next(c for c in commands if "ray start" in c))
+    assert env["RAY_SERVE_ENABLE_HA_PROXY"] == "1"
+    assert Path(env["RAY_SERVE_HAPROXY_BINARY_PATH"]).name == haproxy.WRAPPER_NAME
+    assert env[haproxy.STATS_HOST_VAR] == "127.0.0.1"
+    assert env[haproxy.METRICS_HOST_VAR] == "0.0.0.0"  # the cluster's Prometheus scrapes it
+    assert env["RAY_AUTH_MODE"] == "token"
+
+
+@pytest.mark.parametrize("manifest", ["rayservice.yaml", "rayservice-gpu.yaml"])
+def test_every_kuberay_container_runs_the_haproxy_ingress(manifest: str) -> None:
+    import yaml
+
+    doc = yaml.safe_load((ROOT / "docs" / "kuberay" / manifest).read_text())
+    cluster = doc["spec"]["rayClusterConfig"]
+    groups = [cluster["headGroupSpec"], *cluster["workerGroupSpecs"]]
+    containers = [c for g in groups for c in g["template"]["spec"]["containers"]]
+    assert containers
+    for container in containers:
+        env = {e["name"]: e.get("value") for e in container["env"]}
+        assert env["RAY_SERVE_ENABLE_HA_PROXY"] == "1", container["name"]
+        assert env[haproxy.STATS_HOST_VAR] == "127.0.0.1"
+        assert env["RAY_SERVE_HAPROXY_BINARY_PATH"].endswith("/" + haproxy.WRAPPER_NAME)
+
+
+def test_make_serve_starts_ray_with_the_haproxy_ingress() -> None:
+    out = subprocess.run(
+        ["make", "-n", "serve", "-o", "models"], capture_output=True, text=True, cwd=ROOT
+    ).stdout
+    serve_line = next(line for line in out.splitlines() if "serve run" in line)
+    assert "carpool.haproxy env" in serve_line
