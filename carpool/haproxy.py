@@ -13,8 +13,11 @@ is rewritten on every reload, and it opens more than a serving system should:
 - the Prometheus exporter (``frontend prometheus``) binds every interface;
 - the admin socket is ``mode 666 level admin``: any local user may drain or re-route servers.
 
+and its ``option splice-request`` hides a client's close from HAProxy while a request is being
+served: the server never hears that the client left, and computes for nobody.
+
 Ray runs whatever ``RAY_SERVE_HAPROXY_BINARY_PATH`` names, for every start and reload, with
-``-f <config>``. ``carpool-haproxy`` (``main`` below) is that binary: it rewrites those three
+``-f <config>``. ``carpool-haproxy`` (``main`` below) is that binary: it rewrites those four
 lines of the file it is given, then ``exec``s the real HAProxy (same PID, so Ray's process
 tracking is unchanged). Nothing else in the config changes.
 
@@ -55,11 +58,16 @@ _SECTION = re.compile(r"^(global|defaults|frontend|backend|listen|peers|resolver
 # A bind with no address (":9101") or the wildcard ("*:8404"): every interface.
 _WILDCARD_BIND = re.compile(r"^(\s*bind\s+)(?:\*|0\.0\.0\.0|::|\[::\])?:(\d+)(.*)$")
 _ADMIN_SOCKET_MODE = re.compile(r"^(\s*stats\s+socket\s+\S+\s+mode\s+)666\b")
+# Kernel splicing of request bodies hides a client's close from HAProxy while the server works
+# on the request: measured (Ray's config, 5 clients leaving after 0.8 s of a 5 s request), 0-2
+# of 5 aborts reached the server with it and 5 of 5 without, so queued work for clients that
+# left was computed anyway. carpool's request bodies are small JSON: splicing saves nothing.
+_SPLICE_REQUEST = re.compile(r"^\s*option\s+splice-request\s*$")
 
 
 def harden_config(text: str, *, stats_host: str = LOOPBACK, metrics_host: str = LOOPBACK) -> str:
-    """Ray's generated HAProxy config with its open binds narrowed and its admin socket
-    private to the user Ray runs as.
+    """Ray's generated HAProxy config with its open binds narrowed, its admin socket private
+    to the user Ray runs as, and request splicing off (so a client that leaves is seen).
 
     Binds with no address or the wildcard take ``metrics_host`` in ``frontend prometheus``
     and ``stats_host`` anywhere else (the stats page today). Binds Ray gives an address (the
@@ -71,6 +79,8 @@ def harden_config(text: str, *, stats_host: str = LOOPBACK, metrics_host: str = 
         header = _SECTION.match(line)
         if header:
             section = f"{header.group(1)} {header.group(2)}".strip()
+        if _SPLICE_REQUEST.match(line.rstrip("\n")):
+            continue
         line = _ADMIN_SOCKET_MODE.sub(r"\g<1>600", line)
         bind = _WILDCARD_BIND.match(line.rstrip("\n"))
         if bind:

@@ -11,55 +11,20 @@ from __future__ import annotations
 import asyncio
 import os
 import socket
-import sys
 import threading
 import time
 from pathlib import Path
 
-import cloudpickle
 import httpx
 import pytest
-from fastapi import FastAPI
-from fastapi.responses import StreamingResponse
 from ray import serve
+
+from tests.conftest import deploy_declaratively
 
 pytestmark = pytest.mark.skipif(
     os.environ.get("RAY_SERVE_ENABLE_HA_PROXY", "1") == "0",
     reason="RAY_SERVE_ENABLE_HA_PROXY=0: the session runs Serve's Python proxy",
 )
-
-stream_api = FastAPI()
-
-
-@serve.ingress(stream_api)
-class Streamer:
-    """1,000 lines, one every few ms: a token stream without a model."""
-
-    @stream_api.get("/stream")
-    async def stream(self, n: int = 1000, delay_ms: float = 10.0) -> StreamingResponse:
-        async def lines():
-            for i in range(n):
-                yield f"{i}\n"
-                await asyncio.sleep(delay_ms / 1000)
-
-        return StreamingResponse(lines(), media_type="text/plain")
-
-    @stream_api.get("/hi")
-    def hi(self) -> dict[str, bool]:
-        return {"ok": True}
-
-
-def streamer(replicas: int):
-    return (
-        serve.deployment(Streamer)
-        .options(
-            name="Streamer",
-            num_replicas=replicas,
-            ray_actor_options={"num_cpus": 0.05},
-            max_ongoing_requests=64,
-        )
-        .bind()
-    )
 
 
 def haproxy_pids() -> list[int]:
@@ -110,10 +75,18 @@ def is_loopback(addr: str) -> bool:
     return addr.startswith("127.") or addr in ("::1", "::ffff:127.0.0.1")
 
 
+def stream_app_config(replicas: int) -> dict:
+    return {
+        "name": "hap-stream",
+        "route_prefix": "/hap-stream",
+        "import_path": "tests.integration.haproxy_apps:build_app",
+        "deployments": [{"name": "Streamer", "num_replicas": replicas}],
+    }
+
+
 @pytest.fixture(scope="module")
 def stream_app(serve_http: str) -> str:
-    cloudpickle.register_pickle_by_value(sys.modules[__name__])
-    serve.run(streamer(1), name="hap-stream", route_prefix="/hap-stream")
+    deploy_declaratively([stream_app_config(1)])
     deadline = time.monotonic() + 60
     while True:  # HAProxy learns the route after the app is RUNNING
         try:
@@ -148,6 +121,27 @@ def test_admin_socket_is_private(stream_app: str) -> None:
     assert newest.stat().st_mode & 0o077 == 0, oct(newest.stat().st_mode)
 
 
+def test_clients_that_leave_cancel_their_work(stream_app: str) -> None:
+    """HAProxy must pass a client's close on to the replica, whose Serve then cancels the
+    handler (with Ray's `option splice-request` most closes never arrived)."""
+
+    async def leave_early() -> None:
+        async with httpx.AsyncClient(timeout=0.8) as client:
+
+            async def one() -> None:
+                with pytest.raises(httpx.TimeoutException):
+                    await client.post(f"{stream_app}/slow", json={"n": 1})
+
+            await asyncio.gather(*(one() for _ in range(5)))
+
+    before = httpx.get(f"{stream_app}/slow-stats", timeout=30).json()
+    asyncio.run(leave_early())
+    time.sleep(6)  # past the 5 s each would have run
+    after = httpx.get(f"{stream_app}/slow-stats", timeout=30).json()
+    assert after["cancelled"] - before["cancelled"] == 5, (before, after)
+    assert after["finished"] == before["finished"], (before, after)
+
+
 def test_long_stream_survives_an_ingress_replica_being_added(stream_app: str) -> None:
     before = set(haproxy_pids())
     lines: list[str] = []
@@ -168,13 +162,9 @@ def test_long_stream_survives_an_ingress_replica_being_added(stream_app: str) ->
         time.sleep(0.1)
     assert lines, "the stream never started"
     # A second ingress replica: a new HAProxy server line, so Ray reloads HAProxy.
-    # serve.run returns once the app is RUNNING again (about 30 s here): from a thread, so
-    # the stream is watched while it scales.
-    scaler = threading.Thread(
-        target=serve.run,
-        args=(streamer(2),),
-        kwargs={"name": "hap-stream", "route_prefix": "/hap-stream"},
-    )
+    # A declarative update, as `serve deploy` with a new num_replicas: the first replica (the
+    # stream's) stays. From a thread: it returns once the app is RUNNING again.
+    scaler = threading.Thread(target=deploy_declaratively, args=([stream_app_config(2)],))
     scaler.start()
     deadline = time.monotonic() + 90
     while time.monotonic() < deadline:

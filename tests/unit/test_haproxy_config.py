@@ -63,6 +63,10 @@ def test_hardened_config_binds_only_the_given_hosts() -> None:
     assert "127.0.0.1:9101" in addresses  # Prometheus exporter
     assert re.search(r"stats socket \S+ mode 600 level admin", hardened)
     assert "mode 666" not in hardened
+    # A client's close must reach the server (tests/integration/test_haproxy_ingress.py).
+    assert "splice-request" in ray_generated_config()
+    assert "splice-request" not in hardened
+    assert "splice-response" in hardened
 
 
 def test_cluster_exporter_host_is_separate_from_the_stats_page() -> None:
