@@ -175,6 +175,10 @@ def build_parser() -> argparse.ArgumentParser:
 
     peers.add_arguments(sub.add_parser("peers", help="carpool vs Infinity and vLLM (bench-peers)"))
 
+    from benchmarks import path  # issue 42: what the serving path costs per request
+
+    path.add_arguments(sub.add_parser("path", help="server CPU per request, by process role"))
+
     info = sub.add_parser("trace-info", help="trace statistics and the scaling for a rate")
     info.add_argument("--trace", default=DEFAULT_TRACE)
     info.add_argument("--rate", type=float, default=20.0)
@@ -493,6 +497,7 @@ def main(argv: list[str] | None = None) -> int:
         "report": cmd_report,
         "trace-info": cmd_trace_info,
         "peers": __import__("benchmarks.peers").peers.run,
+        "path": __import__("benchmarks.path").path.run,
     }
     return handlers[args.command](args)
 

@@ -594,10 +594,10 @@ def carpool_cluster(
 
     def start() -> dict[str, Any]:
         config = load_config()
+        if layout is not None:
+            layout(config)  # first: a layout may also change which apps an app reaches
         apps = app_closure(config, wanted)
         config = subset(config, apps)
-        if layout is not None:
-            layout(config)
         cluster = Cluster(config, port=PORTS["carpool"], own_session=own_session)
         holder["cluster"] = cluster
         with environ(ray_env or {}):

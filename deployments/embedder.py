@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, Literal, Protocol
 
@@ -296,13 +296,19 @@ class EmbeddingDeployment(ServeBatching, EmbeddingServer):
         self._init_serving(self.model.name)
 
 
-def build_embedding_deployment(config: EmbedderConfig, name: str = "embedder") -> Application:
-    """Applies the Serve options from ``config`` and binds the deployment."""
+def build_embedding_deployment(
+    config: EmbedderConfig,
+    name: str = "embedder",
+    deployment_cls: type[EmbeddingDeployment] = EmbeddingDeployment,
+    bind_args: Sequence[Any] = (),
+) -> Application:
+    """Applies the Serve options from ``config`` and binds the deployment (a subclass, such
+    as the embed app's direct ingress, gets ``bind_args`` after the config)."""
     options = config.replica.serve_options(name, config.batching)
     return (
-        serve.deployment(EmbeddingDeployment)
+        serve.deployment(deployment_cls)
         .options(**options, user_config=config.batching.model_dump())
         # Batching goes only through user_config: were it in the constructor arguments too,
         # changing a knob would restart the replica instead of reconfiguring it in place.
-        .bind(config.model_dump(exclude={"batching"}))
+        .bind(config.model_dump(exclude={"batching"}), *bind_args)
     )

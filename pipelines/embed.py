@@ -10,6 +10,7 @@ from typing import Any
 
 import numpy as np
 import orjson
+from fastapi import FastAPI
 from fastapi.responses import Response
 from pydantic import Field
 from ray import serve
@@ -27,12 +28,18 @@ from carpool.http import (
     current_controls,
     make_api,
 )
+from carpool.local_handle import LocalHandle
 from carpool.schemas import (
     EmbeddingRequest,
     EmbeddingResponse,
     ModelList,
 )
-from deployments.embedder import EmbedderConfig, EmbedResult, build_embedding_deployment
+from deployments.embedder import (
+    EmbedderConfig,
+    EmbeddingDeployment,
+    EmbedResult,
+    build_embedding_deployment,
+)
 from pipelines.handler import PipelineHandler
 
 
@@ -55,17 +62,20 @@ class EmbedArgs(StrictModel):
         le=1_000_000,
         description="Longest text accepted, in characters (bounds tokenizer work per request).",
     )
+    direct_ingress: bool = Field(
+        default=False,
+        description="The embedder's replicas serve this app's HTTP themselves: a request goes "
+        "HAProxy -> embedder replica, with no separate ingress process and no Ray hop "
+        "(benchmarks/PATH.md). HTTP capacity then follows the embedder's replica count, and a "
+        "lost embedder replica takes the requests it holds: off in the cluster configs, where "
+        "the embedder sits on GPU workers and the ingresses on the head. `ingress` then only "
+        "sets the default deadline.",
+    )
 
 
 # Deployment names other apps find this pipeline's parts by (serve.get_deployment_handle).
 EMBED_INGRESS = "embed_ingress"
 EMBEDDER_DEPLOYMENT = "embedder"
-
-api = make_api(
-    "carpool embed",
-    "OpenAI-compatible embeddings with length-aware dynamic batching.",
-    MAX_BODY_BYTES,
-)
 
 
 def encode_vector(vector: Any, encoding_format: str) -> np.ndarray | str:
@@ -178,40 +188,83 @@ class EmbedHandler(PipelineHandler):
         return Response(body_bytes, media_type="application/json")
 
 
-@serve.ingress(api)
+def embed_api(handler: EmbedHandler) -> FastAPI:
+    """The pipeline's HTTP routes over ``handler``; built in the replica that serves them."""
+    api = make_api(
+        "carpool embed",
+        "OpenAI-compatible embeddings with length-aware dynamic batching.",
+        MAX_BODY_BYTES,
+    )
+
+    @api.post("/v1/embeddings", response_model=EmbeddingResponse)
+    async def embeddings(body: EmbeddingRequest) -> Response:
+        return await handler.embed_response(body)
+
+    @api.get("/v1/models", response_model=ModelList)
+    async def models() -> ModelList:
+        return ModelList(data=[handler.model_card()])
+
+    @api.get("/v1/stats")
+    async def stats() -> dict[str, Any]:
+        """Batching figures of one embedder replica (the one this call reaches)."""
+        return await call_backend("embedder", handler.embedder.stats.remote())
+
+    @api.get("/healthz")
+    async def healthz() -> dict[str, Any]:
+        return health_body()  # {"status": "ok"}, plus warnings when open to anyone
+
+    return api
+
+
+@serve.ingress()
 class EmbedIngress(EmbedHandler):
     """HTTP front of the embed pipeline: validates, forwards, formats."""
 
     def __init__(self, embedder: DeploymentHandle, args: dict[str, Any]) -> None:
         super().__init__(embedder, EmbedArgs.model_validate(args))
+
+    def __serve_build_asgi_app__(self) -> FastAPI:
+        api = embed_api(self)
         apply_ingress_defaults(api, self.args.ingress)
+        return api
 
-    @api.post("/v1/embeddings", response_model=EmbeddingResponse)
-    async def embeddings(self, body: EmbeddingRequest) -> Response:
-        return await self.embed_response(body)
 
-    @api.get("/v1/models", response_model=ModelList)
-    async def models(self) -> ModelList:
-        return ModelList(data=[self.model_card()])
+@serve.ingress()
+class DirectEmbedIngress(EmbeddingDeployment):
+    """The embedder serving the pipeline's HTTP itself (``direct_ingress``).
 
-    @api.get("/v1/stats")
-    async def stats(self) -> dict[str, Any]:
-        """Batching figures of one embedder replica (the one this call reaches)."""
-        return await call_backend("embedder", self.embedder.stats.remote())
+    Its own model is called in-process (``LocalHandle``): a request is parsed, batched with
+    the others in this replica and answered here, with no Ray hop. Other apps (search, rag,
+    the OpenAI URL) still reach it as the ``embedder`` deployment. The ingress's own niceness
+    is not applied: this process computes.
+    """
 
-    @api.get("/healthz")
-    async def healthz(self) -> dict[str, Any]:
-        return health_body()  # {"status": "ok"}, plus warnings when open to anyone
+    def __init__(self, config: dict[str, Any], args: dict[str, Any]) -> None:
+        EmbeddingDeployment.__init__(self, config)
+        self.http = EmbedHandler(LocalHandle(self), EmbedArgs.model_validate(args))
+
+    def __serve_build_asgi_app__(self) -> FastAPI:
+        api = embed_api(self.http)
+        apply_ingress_defaults(api, self.http.args.ingress, own_process=False)
+        return api
+
+    def settings(self) -> dict[str, Any]:
+        return self.http.settings()
 
 
 def build_embed_app(args: dict[str, Any] | None = None) -> Application:
-    """The embed pipeline: ingress -> embedder."""
+    """The embed pipeline: ingress -> embedder, or the embedder alone (``direct_ingress``)."""
     parsed = EmbedArgs.model_validate(args or {})
-    embedder = build_embedding_deployment(parsed.embedder, EMBEDDER_DEPLOYMENT)
-    ingress = serve.deployment(EmbedIngress).options(**parsed.ingress.serve_options(EMBED_INGRESS))
     # Without the batching knobs: they reach the model replica as user_config, and the ingress
     # must not restart when only they change.
-    return ingress.bind(embedder, parsed.model_dump(exclude={"embedder": {"batching"}}))
+    http_args = parsed.model_dump(exclude={"embedder": {"batching"}})
+    if parsed.direct_ingress:
+        return build_embedding_deployment(
+            parsed.embedder, EMBEDDER_DEPLOYMENT, DirectEmbedIngress, (http_args,)
+        )
+    embedder = build_embedding_deployment(parsed.embedder, EMBEDDER_DEPLOYMENT)
+    ingress = serve.deployment(EmbedIngress).options(**parsed.ingress.serve_options(EMBED_INGRESS))
+    return ingress.bind(embedder, http_args)
 
 
 app = build_embed_app

@@ -80,7 +80,7 @@ class Pipeline:
 
 
 PIPELINES: dict[str, Pipeline] = {
-    "embed": Pipeline((embed.EMBED_INGRESS,), embed.EmbedHandler),
+    "embed": Pipeline((embed.EMBED_INGRESS, embed.EMBEDDER_DEPLOYMENT), embed.EmbedHandler),
     "rank": Pipeline((rank.RANK_INGRESS,), rank.RankHandler),
     "generate": Pipeline(
         (generate.GENERATE_INGRESS, generate.DIRECT_INGRESS), generate.GenerateHandler

@@ -576,22 +576,22 @@ def test_embeddings_route_takes_token_ids_and_2048_inputs(embed_ingress) -> None
 
     texts = ["the river city", "paris is the capital of france"]
     ids = bert_tokenizer()(texts)["input_ids"]
-    by_text = _json(asyncio.run(embed_ingress.embeddings(EmbeddingRequest(input=texts))))
-    by_ids = _json(asyncio.run(embed_ingress.embeddings(EmbeddingRequest(input=ids))))
+    by_text = _json(asyncio.run(embed_ingress.embed_response(EmbeddingRequest(input=texts))))
+    by_ids = _json(asyncio.run(embed_ingress.embed_response(EmbeddingRequest(input=ids))))
     np.testing.assert_allclose(
         [d["embedding"] for d in by_text["data"]],
         [d["embedding"] for d in by_ids["data"]],
         atol=1e-5,
     )
     assert by_ids["usage"]["prompt_tokens"] == sum(len(s) for s in ids)
-    many = _json(asyncio.run(embed_ingress.embeddings(EmbeddingRequest(input=["w"] * 2048))))
+    many = _json(asyncio.run(embed_ingress.embed_response(EmbeddingRequest(input=["w"] * 2048))))
     assert len(many["data"]) == 2048
     with pytest.raises(RequestError) as info:
-        asyncio.run(embed_ingress.embeddings(EmbeddingRequest(input=["w"] * 2049)))
+        asyncio.run(embed_ingress.embed_response(EmbeddingRequest(input=["w"] * 2049)))
     assert info.value.status_code == 400
     assert "2048" in info.value.message and "chunk_size" in info.value.message
     with pytest.raises(RequestError) as info:
-        asyncio.run(embed_ingress.embeddings(EmbeddingRequest(input=[[101, 102], [100257]])))
+        asyncio.run(embed_ingress.embed_response(EmbeddingRequest(input=[[101, 102], [100257]])))
     assert info.value.status_code == 400 and "check_embedding_ctx_length" in info.value.message
 
 
