@@ -35,6 +35,22 @@ DEFAULT_MODEL = "packaged:all-MiniLM-L6-v2"
 METRICS_INTERVAL_MS = 2000
 
 
+def shipped_ingress_env() -> dict[str, str]:
+    """Puts carpool's shipped ingress (Ray's HAProxy, ``carpool.haproxy``) in the environment
+    the benchmark's Ray starts with, unless the caller already chose one
+    (``RAY_SERVE_ENABLE_HA_PROXY`` set, e.g. ``=0`` for Serve's Python proxy). HAProxy's side
+    ports are free ones, so a ``make serve`` on the same machine keeps 8404, 9101 and 8500."""
+    if "RAY_SERVE_ENABLE_HA_PROXY" in os.environ:
+        return {}
+    from carpool.haproxy import ray_environment
+
+    env = ray_environment(
+        stats_port=free_port(), metrics_port=free_port(), fallback_port=free_port()
+    )
+    os.environ.update(env)
+    return env
+
+
 def serve_yaml_app(module: str, deployment: str) -> tuple[dict[str, Any], dict[str, Any]]:
     """serve.yaml's app from ``pipelines.<module>``: its ``args`` and ``deployment``'s
     ``user_config``.
@@ -288,6 +304,7 @@ class ServeCluster:
         # generator and any stray process on the machine: a benchmark would then measure who else
         # ran. Servers under test compete as equals; Ray's job drivers do the same.
         os.environ.setdefault("RAY_worker_niceness", "0")
+        shipped_ingress_env()
         import ray
         from ray import serve
 

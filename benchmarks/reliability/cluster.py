@@ -26,6 +26,7 @@ from benchmarks.deploy import (
     _exit_on_sigterm_after_ray,
     free_port,
     session_processes,
+    shipped_ingress_env,
     start_head_in_own_session,
     stop_session,
 )
@@ -169,6 +170,8 @@ class Cluster:
         # generator and any stray process on the machine: a benchmark would then measure who else
         # ran. Servers under test compete as equals; Ray's job drivers do the same.
         os.environ.setdefault("RAY_worker_niceness", "0")
+        if not self.external:
+            shipped_ingress_env()  # serve.yaml as `make serve` runs it: behind HAProxy
         import ray
 
         t0 = time.monotonic()
