@@ -17,6 +17,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from carpool.twin.path import MODES, ServingPath
 from carpool.twin.plan import Planner, Slo, apply_overlay, bottlenecks, overlay_of
 from carpool.twin.profile import load_profile
 from carpool.twin.traffic import parse_traffic
@@ -60,6 +61,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--price-cpu-hour", type=float, default=0.04, help="USD per CPU-hour")
     p.add_argument("--duration", type=float, default=30.0, help="simulated seconds per trial")
     p.add_argument("--out", default="plan", help="folder for the overlay, config and table")
+    p.add_argument(
+        "--path-profile",
+        help="the serving path's CPU costs (default: profiles/path-cpu-2core.json)",
+    )
+    p.add_argument("--ingress", choices=MODES, help="HTTP layer (default: the path profile's)")
     args = p.parse_args(argv)
 
     profile = load_profile(args.profile)
@@ -93,7 +99,9 @@ def main(argv: list[str] | None = None) -> int:
         "slo": vars(planner.slo),
         "rows": rows,
         "overlay": overlay,
-        "bottlenecks": bottlenecks(traffic, gpus),
+        "bottlenecks": bottlenecks(
+            traffic, gpus, planner.config, ServingPath.load(args.path_profile, args.ingress)
+        ),
     }
     (out / "plan.json").write_text(json.dumps(doc, indent=1) + "\n")
     text = table(rows, args.price_gpu_hour, args.price_cpu_hour)

@@ -1,9 +1,11 @@
-"""``python -m carpool.twin``: measure a cost profile (``profile``) or check one (``check``).
+"""``python -m carpool.twin``: measure a cost profile (``profile``) or check one (``check``);
+keep a path benchmark's CPU per request as a path profile (``path-profile``).
 
     python -m carpool.twin profile --config serve.yaml --out profiles/
     python -m carpool.twin profile --config serve-gpu.yaml --device cuda --dtype bfloat16,float32 \\
         --random-weights --models-dir .devprof/models --out "$OUT"
     python -m carpool.twin check profiles/cpu-2core.json
+    python -m carpool.twin path-profile benchmarks/results/path-smoke.json --out profiles/
 
 Models are measured one after another in this process, one (dtype, threads) variant at a
 time; a variant that fails (out of memory, a missing config) is recorded under ``failed`` and
@@ -15,6 +17,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import datetime
+import json
 import os
 import platform
 import re
@@ -289,6 +292,13 @@ def parser() -> argparse.ArgumentParser:
     s.add_argument("--out", required=True, help="the profile file to write")
     c = sub.add_parser("check", help="validate profile files")
     c.add_argument("paths", nargs="+")
+    pp = sub.add_parser(
+        "path-profile",
+        help="the serving path's CPU-ms per request by component (carpool.twin.path), from "
+        "`python -m benchmarks path`'s JSON",
+    )
+    pp.add_argument("bench", help="the benchmark's JSON, e.g. benchmarks/results/path-smoke.json")
+    pp.add_argument("--out", default="profiles/", help="file, or folder for <name>.json")
     return p
 
 
@@ -304,7 +314,27 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     if args.command == "serving-profile":
         return serving_profile_command(args, argv)
+    if args.command == "path-profile":
+        return path_profile_command(args, argv)
     return profile_command(args, argv)
+
+
+def path_profile_command(args: argparse.Namespace, argv: list[str]) -> int:
+    from carpool.twin.path import extract_path, validate_path_profile
+
+    bench = json.loads(Path(args.bench).read_text())
+    doc = extract_path(bench, args.bench, "python -m carpool.twin " + shlex.join(argv))
+    doc["created"] = datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds")
+    validate_path_profile(doc)
+    out = Path(args.out)
+    if out.is_dir() or args.out.endswith("/"):
+        out = out / f"{doc['name']}.json"
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(doc, indent=1) + "\n")
+    for mode, body in doc["modes"].items():
+        print(f"{mode}: {json.dumps(body['cpu_ms_per_request'])}")
+    print(f"wrote {out}")
+    return 0
 
 
 def serving_profile_command(args: argparse.Namespace, argv: list[str]) -> int:

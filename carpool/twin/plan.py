@@ -20,15 +20,12 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from carpool.twin.path import ServingPath
 from carpool.twin.sim import Overheads, SimResult
 from carpool.twin.topology import ENCODERS, TwinSpec, _load
 from carpool.twin.traffic import Traffic
 
 ROLES_OF = {"embed": ("embedder",), "rank": ("ranker",), "generate": ("small", "large")}
-# PLATFORM.md, measured on the 2-core machines: one Serve HTTP proxy tops out at about
-# 210-300 requests/s (a no-op batched app), a DeploymentHandle from Python at about 450/s.
-PROXY_RPS = 250.0
-HANDLE_RPS = 450.0
 MAX_REPLICAS = 64  # per model: the search stops there and reports the SLO missed
 # An SLO met in a short window by a queue that still grows is not met (``keeps_up``).
 GROWTH = 1.5
@@ -371,17 +368,31 @@ def apply_overlay(config: Mapping[str, Any], overlay: Mapping[str, Any]) -> dict
 
 
 def bottlenecks(
-    traffic: Traffic, gpus: float, gpus_per_node: int = 8, router_replicas: int = 2
+    traffic: Traffic,
+    gpus: float,
+    config: Mapping[str, Any],
+    path: ServingPath,
+    gpus_per_node: int = 8,
 ) -> dict[str, Any]:
-    """Load on what every request shares, against documented ceilings (PLATFORM.md)."""
-    rates = traffic.rates()
-    total = sum(rates.values())
-    nodes = max(1, math.ceil(gpus / gpus_per_node))
-    proxies = nodes + 1  # proxy_location: EveryNode, the head node included
+    """Load on what every request shares (1.0: fully busy), against ceilings from measured
+    CPU per request (``ServingPath.bounds``): cores x 1000 / CPU-ms per request."""
+    bounds = path.bounds(config, traffic, gpus, gpus_per_node)
+    by = {b.component: b for b in bounds}
     return {
-        "requests_per_s": round(total, 1),
-        "proxies": proxies,
-        "proxy_load": round(total / (proxies * PROXY_RPS), 3),
-        "router_load": round(rates.get("generate", 0.0) / (router_replicas * HANDLE_RPS), 3),
-        "ceilings": {"proxy_rps": PROXY_RPS, "router_handle_rps": HANDLE_RPS},
+        "requests_per_s": round(sum(traffic.rates().values()), 1),
+        "ingress_mode": path.mode,
+        "path_profile": path.source,
+        "proxies": path.layout(config, gpus, gpus_per_node).nodes,  # nodes with an HTTP process
+        "proxy_load": round(by["http"].load, 3) if "http" in by else 0.0,
+        "ingress_load": {b.name: round(b.load, 3) for b in bounds if b.component == "ingress"},
+        "router_load": round(by["router"].load, 3) if "router" in by else 0.0,
+        "head_load": round(by["head"].load, 3) if "head" in by else None,
+        "ceilings": {
+            b.name: {
+                "requests_per_s": round(b.ceiling_rps, 1),
+                "cores": b.cores,
+                "cpu_ms_per_request": round(b.ms_per_request, 4),
+            }
+            for b in bounds
+        },
     }

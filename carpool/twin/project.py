@@ -1,12 +1,14 @@
 """``python -m carpool.twin.project``: a traffic mix projected onto clusters of N GPUs.
 
 For each N: the largest multiple of the mix whose plan (``carpool.twin.plan``) meets the SLO
-within N GPUs; the same for what every request shares, against documented ceilings (the
-HTTP proxies, one per node with ``proxy_location: EveryNode`` plus the head, about 250
-requests/s each; the router's replicas forwarding ``auto`` requests through handles, about
-450/s each; both measured on this project's 2-core machines, PLATFORM.md); the binding one
+within N GPUs; the same for each part of the serving path every request crosses, from its
+measured CPU per request (``carpool.twin.path``, the path profile): the HTTP layer (HAProxy's
+threads on every node with ``proxy_location: EveryNode``, the head included; or Serve's Python
+proxy, one core per node, with ``--ingress python-proxy``), each pipeline's ingress replicas
+(one core each, as many as the serve config allows), the router's replicas for ``auto``, and
+the head node's cores, which serve-gpu.yaml's ingresses and routers share. The binding bound
 is the bottleneck. The mix is then run at that multiple through one whole-cluster twin, every
-kind together behind the proxies, for the goodput and p99 the table shows.
+kind together through the path's stages, for the goodput and p99 the table shows.
 
     python -m carpool.twin.project --config serve-gpu.yaml --profile profiles/gpu-h200.json \\
         --dtype bfloat16 --traffic "embed=3,rank=1,generate=1" --slo p99_ms=500 --gpus 8,16,64
@@ -21,19 +23,12 @@ import sys
 from collections.abc import Mapping
 from typing import Any
 
-from carpool.twin.plan import HANDLE_RPS, PROXY_RPS, Choice, Planner, Slo, overlay_of
+from carpool.twin.path import HEAD_CORES, MODES, ServingPath
+from carpool.twin.plan import Choice, Planner, Slo, overlay_of
 from carpool.twin.profile import load_profile
 from carpool.twin.sim import Overheads
 from carpool.twin.topology import TwinSpec
 from carpool.twin.traffic import Traffic, parse_traffic
-
-
-def _router_replicas(config: Mapping[str, Any]) -> int:
-    for app in config.get("applications") or []:
-        router = (app.get("args") or {}).get("router")
-        if isinstance(router, dict):
-            return int(router.get("num_replicas", 2))
-    return 0
 
 
 def project(
@@ -42,14 +37,12 @@ def project(
     gpus: float,
     gpus_per_node: int,
     duration_s: float,
+    path: ServingPath,
     full_search: bool = False,
 ) -> dict[str, Any]:
     rates = traffic.rates()
-    proxies = math.ceil(gpus / gpus_per_node) + 1
-    shared = {"HTTP proxy": proxies * PROXY_RPS / sum(rates.values())}
-    routers = _router_replicas(planner.config)
-    if rates.get("generate") and routers:
-        shared["router"] = routers * HANDLE_RPS / rates["generate"]
+    path_bounds = path.bounds(planner.config, traffic, gpus, gpus_per_node)
+    shared = {b.name: b.scale for b in path_bounds}
     # The models' bound is searched only up to the lowest shared bound: past it the shared
     # one binds whatever the GPUs could do, and the search there is what never finished.
     cap = min(shared.values(), default=None)
@@ -61,7 +54,8 @@ def project(
     if bottleneck != "GPUs (models)":
         plan = planner.plan(traffic.scaled(scale))  # fewer GPUs suffice at the lower rate
     busiest = _busiest(plan)
-    result = whole_cluster(planner, plan, traffic.scaled(scale), proxies, duration_s)
+    overheads = path.overheads(planner.config, gpus, gpus_per_node)
+    result = whole_cluster(planner, plan, traffic.scaled(scale), overheads, duration_s)
     return {
         "gpus": gpus,
         "scale": round(scale, 3),
@@ -74,7 +68,18 @@ def project(
         "gpus_used": round(sum(c.gpus for c in plan.values()), 3),
         "replicas": {r: n for c in plan.values() for r, n in c.replicas.items()},
         "overlay": overlay_of(plan),
-        "proxies": proxies,
+        "ingress_mode": path.mode,
+        "proxies": path.layout(planner.config, gpus, gpus_per_node).nodes,
+        # Each path bound's arithmetic: cores x 1000 / CPU-ms per request = requests/s.
+        "path": {
+            b.name: {
+                "cores": b.cores,
+                "cpu_ms_per_request": round(b.ms_per_request, 4),
+                "ceiling_rps": round(b.ceiling_rps, 1),
+                "load_at_bottleneck": round(b.load * scale, 3),
+            }
+            for b in path_bounds
+        },
         "per_kind": result,
     }
 
@@ -93,14 +98,14 @@ def whole_cluster(
     planner: Planner,
     plan: Mapping[str, Choice],
     traffic: Traffic,
-    proxies: int,
+    overheads: Overheads,
     duration_s: float,
 ) -> dict[str, Any]:
-    """Every kind at once through the proxies, at the planned replicas and knobs."""
+    """Every kind at once through the serving path's stages, at the planned replicas and knobs."""
     spec = TwinSpec.from_serve_config(
         planner.config, planner.profile, overlay_of(plan), planner.dtype, planner.threads
     )
-    spec.overheads = Overheads(proxy_rps=PROXY_RPS, proxies=proxies)
+    spec.overheads = overheads
     total = sum(traffic.rates().values())
     duration = max(5.0, min(duration_s, 20_000 / max(total, 1e-9)))
     arrivals = sorted(
@@ -162,24 +167,57 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument(
         "--full-search",
         action="store_true",
-        help="search the models' bound past the HTTP proxies' and the router's (slow: a "
-        "64-GPU cluster at thousands of times the mix)",
+        help="search the models' bound past the serving path's (slow: a 64-GPU cluster at "
+        "thousands of times the mix)",
+    )
+    p.add_argument(
+        "--path-profile", help="the path profile (default: profiles/path-cpu-2core.json)"
+    )
+    p.add_argument(
+        "--ingress",
+        choices=MODES,
+        help="HTTP layer: Ray's HAProxy (as carpool ships) or Serve's Python proxy, the "
+        "earlier layout (default: the path profile's default_mode)",
+    )
+    p.add_argument(
+        "--http-threads",
+        type=int,
+        help="HTTP servers per node (default: HAProxy's nbthread 4; the Python proxy's 1)",
+    )
+    p.add_argument(
+        "--head-cores",
+        type=float,
+        default=HEAD_CORES,
+        help="the head node's cores, shared by the ingresses and routers (default: "
+        "cluster.yaml's head, 8; 0: not a bound)",
     )
     args = p.parse_args(argv)
     profile = load_profile(args.profile)
+    path = ServingPath.load(
+        args.path_profile, args.ingress, args.http_threads, args.head_cores or None
+    )
     planner = Planner(
         args.config, profile, Slo.parse(args.slo), args.dtype, None, args.duration, 1500
     )
     traffic = parse_traffic(args.traffic)
     rows = [
-        project(planner, traffic, float(n), args.gpus_per_node, args.duration, args.full_search)
+        project(
+            planner,
+            traffic,
+            float(n),
+            args.gpus_per_node,
+            args.duration,
+            path,
+            full_search=args.full_search,
+        )
         for n in args.gpus.split(",")
     ]
     text = markdown(rows)
     print(text)
     if args.out:
         doc = {"command": " ".join(["python -m carpool.twin.project", *(argv or sys.argv[1:])]),
-               "profile": profile.get("name"), "rows": rows}  # fmt: skip
+               "profile": profile.get("name"), "path_profile": path.source,
+               "ingress_mode": path.mode, "path_cpu_ms": path.ms, "rows": rows}  # fmt: skip
         with open(args.out, "w") as f:
             json.dump(doc, f, indent=1)
     return 0

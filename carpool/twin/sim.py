@@ -1,7 +1,8 @@
 """The discrete-event twin of a carpool cluster: ingress, router and model replicas.
 
-A request goes through the HTTP proxy (a bounded request rate per proxy), a fixed serving
-latency (hops, serialisation), the router when it asks for ``model: auto`` (length
+A request goes through the serving path's CPU stages (``Overheads.path``, from
+``carpool.twin.path``: the node's HTTP process, its pipeline's ingress replicas), a fixed
+serving latency (hops, serialisation), the router when it asks for ``model: auto`` (length
 prediction, lanes, model choice and the small/large cascade, all carpool's own
 ``router.server.RouterServer`` objects), then a deployment's replicas, picked the way Serve's
 router does (the less loaded of two, within ``max_ongoing_requests``; beyond that requests
@@ -44,13 +45,21 @@ class Pool:
     waiting: deque[_Ticket] = field(default_factory=deque)
 
 
+@dataclass(frozen=True)
+class PathStage:
+    """A serving-path component: ``servers`` cores, each busy ``ms[kind]`` per request."""
+
+    name: str
+    servers: int
+    ms: dict[str, float]  # CPU-ms per request by kind; kinds not named skip the stage
+
+
 @dataclass
 class Overheads:
     """What serving costs outside the models, as figures measured or documented elsewhere."""
 
     fixed_ms: float = 0.0  # latency every request adds (proxy, ingress, hops), not compute
-    proxy_rps: float | None = None  # one HTTP proxy's request ceiling (PLATFORM.md: ~250/s)
-    proxies: int = 1
+    path: tuple[PathStage, ...] = ()  # crossed in order, each a FIFO of its servers
     router_rps: float | None = None  # one router replica's decisions per second
     router_replicas: int = 1
     # One host whose cores the model passes share with the serving path (a single machine:
@@ -94,18 +103,20 @@ class _Ticket:
 
 
 class _Stage:
-    """``servers`` FIFO servers of a fixed service time: a proxy's or router's rate bound."""
+    """``servers`` FIFO servers: a path component's cores, or the router's rate bound."""
 
     def __init__(self, rate: float | None, servers: int) -> None:
         self.service_s = 0.0 if not rate else 1.0 / rate
         self.free_at = [0.0] * max(1, servers)
 
-    def through(self, now: float) -> float:
-        if self.service_s == 0:
+    def through(self, now: float, service_s: float | None = None) -> float:
+        """When a request arriving ``now`` leaves (``service_s``: its own, else the stage's)."""
+        service = self.service_s if service_s is None else service_s
+        if service == 0:
             return now
         i = min(range(len(self.free_at)), key=self.free_at.__getitem__)
         start = max(now, self.free_at[i])
-        self.free_at[i] = start + self.service_s
+        self.free_at[i] = start + service
         return self.free_at[i]
 
 
@@ -182,7 +193,7 @@ class Twin:
         self.now = 0.0
         self.records: list[Record] = []
         self._busy_s: dict[str, float] = {}
-        self._proxy = _Stage(self.overheads.proxy_rps, self.overheads.proxies)
+        self._path = [(stage, _Stage(None, stage.servers)) for stage in self.overheads.path]
         self._sent_recently: deque[float] = deque()  # send times within cpu_window_s
         self._router_stage = _Stage(self.overheads.router_rps, self.overheads.router_replicas)
 
@@ -210,8 +221,18 @@ class Twin:
         self.records.append(rec)
         if self.overheads.host_cores:
             self._sent_recently.append(self.now)
-        through = self._proxy.through(self.now) + self.overheads.fixed_ms / 1000
-        self.at(through, lambda: self._dispatch(rec, done))
+        self._cross_path(rec, 0, done)
+
+    def _cross_path(self, rec: Record, index: int, done: Callable[[Record], None] | None) -> None:
+        """Stage ``index`` on, each as its own event: a queue in the order requests reach it."""
+        for i in range(index, len(self._path)):
+            stage, queue = self._path[i]
+            ms = stage.ms.get(rec.req.kind)
+            if ms:
+                leaves = queue.through(self.now, ms / 1000)
+                self.at(leaves, lambda i=i: self._cross_path(rec, i + 1, done))
+                return
+        self.at(self.now + self.overheads.fixed_ms / 1000, lambda: self._dispatch(rec, done))
 
     def _answer(self, rec: Record, status: int, done: Callable[[Record], None] | None) -> None:
         rec.ended, rec.status = self.now, status

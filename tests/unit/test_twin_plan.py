@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 
+from carpool.twin.path import ServingPath
 from carpool.twin.plan import Planner, Slo, apply_overlay, bottlenecks, knob_grid, overlay_of
 from carpool.twin.traffic import load_trace, mix_from_mapping, parse_traffic
 
@@ -121,10 +122,16 @@ def test_traffic_mix_rates_and_trace(tmp_path) -> None:
         parse_traffic("embed")
 
 
-def test_bottlenecks_count_proxies_per_node() -> None:
-    b = bottlenecks(parse_traffic("embed=1000"), gpus=16)
+def test_bottlenecks_load_the_path_by_its_measured_cpu() -> None:
+    ms = {"http": {"embed": 0.5}, "ingress": {"embed": 2.0}, "router": {"generate": 3.0}}
+    path = ServingPath("haproxy", ms, http_threads=4, head_cores=None)
+    b = bottlenecks(parse_traffic("embed=1000"), 16, CONFIG, path)
     assert b["proxies"] == 3  # two 8-GPU nodes and the head
-    assert b["proxy_load"] == pytest.approx(1000 / (3 * 250), rel=1e-3)
+    # 1000/s x 0.5 ms over 3 nodes x 4 threads; 1000/s x 2 ms on embed_ingress's one replica.
+    assert b["proxy_load"] == pytest.approx(1000 * 0.5 / (3 * 4 * 1000), abs=1e-3)
+    assert b["ingress_load"] == {"ingress embed_ingress": pytest.approx(2.0, rel=1e-3)}
+    assert b["ceilings"]["ingress embed_ingress"]["requests_per_s"] == pytest.approx(500.0)
+    assert b["router_load"] == 0.0 and b["head_load"] is None
 
 
 def test_a_cap_stops_the_gpu_search_where_another_bound_binds() -> None:

@@ -16,7 +16,15 @@ import pytest
 from carpool.config import BatchingConfig
 from carpool.twin.profile import load_profile
 from carpool.twin.replicas import EncoderReplica, GeneratorReplica, SimRequest
-from carpool.twin.sim import Overheads, Pool, Twin, host_slowdown, percentile, poisson
+from carpool.twin.sim import (
+    Overheads,
+    PathStage,
+    Pool,
+    Twin,
+    host_slowdown,
+    percentile,
+    poisson,
+)
 from carpool.twin.topology import TwinSpec
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -198,11 +206,19 @@ def test_cascade_escalates_a_low_confidence_small_answer() -> None:
     assert result.by_model == {"small": 1, "large": 1}
 
 
-def test_proxy_ceiling_caps_request_rate() -> None:
+def test_a_path_stage_caps_request_rate_at_its_cores_over_its_cpu_ms() -> None:
+    # Two cores, 20 CPU-ms per embed request: 2 x 1000 / 20 = 100 requests/s.
     pools = encoder_twin(4, 1.0).pools
-    twin = Twin(pools, Overheads(proxy_rps=100.0))
+    twin = Twin(pools, Overheads(path=(PathStage("ingress", 2, {"embed": 20.0}),)))
     result = twin.run(clients=64, requests=[ONE], duration_s=20, warmup_s=2, drain=False)
     assert result.items_per_s == pytest.approx(100.0, rel=0.03)
+
+
+def test_kinds_a_path_stage_does_not_name_skip_it() -> None:
+    pools = encoder_twin(4, 1.0).pools
+    twin = Twin(pools, Overheads(path=(PathStage("rank ingress", 1, {"rank": 1000.0}),)))
+    result = twin.run(clients=64, requests=[ONE], duration_s=5, warmup_s=1, drain=False)
+    assert result.items_per_s > 1000  # four 1 ms replicas, nothing in front
 
 
 def test_closed_loop_with_a_request_budget_drains_like_the_harness() -> None:

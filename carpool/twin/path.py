@@ -1,0 +1,374 @@
+"""The serving path's CPU per request, and the request-rate ceilings it puts on a cluster.
+
+Before a model sees a request it crosses the same CPU stages: the HTTP process of the node it
+lands on (Ray's HAProxy, in C, as carpool ships; or Serve's Python proxy), its pipeline's
+ingress replica (one Python process: parsing, validation, fan-out, the answer's JSON), and
+for ``model: auto`` the router. ``python -m benchmarks path`` measures each one's CPU-ms per
+request from /proc; ``python -m carpool.twin path-profile`` keeps those figures, with where
+they came from, in a path profile (``profiles/path-cpu-2core.json``, loaded by default). A
+component's ceiling is then arithmetic::
+
+    requests/s = cores it can use x 1000 / its CPU-ms per request
+
+with the cores from the serve config and the cluster's shape (``Layout``): HAProxy's threads
+on every node, one core per ingress or router replica (a Python process runs one thread at a
+time under the GIL), and the head node's cores for all that serve-gpu.yaml pins there
+(ingresses, routers). ``carpool.twin.project`` and the planner's ``bottlenecks`` compare a mix
+with them; ``ServingPath.overheads`` makes them the whole-cluster twin's path stages (the
+head's shared cores are a bound there, not a stage). This module reads the benchmark's JSON
+file; it never imports the benchmarks package.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import statistics
+from collections.abc import Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from carpool.twin.sim import Overheads, PathStage
+from carpool.twin.traffic import KINDS, Traffic
+
+PATH_KIND = "carpool-path-profile"
+SCHEMA_VERSION = 1
+DEFAULT_PATH_PROFILE = Path(__file__).resolve().parents[2] / "profiles" / "path-cpu-2core.json"
+MODES = ("haproxy", "python-proxy")
+# The benchmark system measured for each mode, and the process class that is its HTTP layer.
+SYSTEMS = {"haproxy": ("carpool", "haproxy"), "python-proxy": ("carpool-python-proxy", "ray_proxy")}
+# HTTP servers per node: HAProxy runs RAY_SERVE_HAPROXY_NBTHREAD threads (Ray's default, 4,
+# ray/serve/_private/constants.py), assumed to find that many free cores on every node;
+# Serve's proxy is one Python process, so one core.
+HTTP_THREADS = {"haproxy": 4, "python-proxy": 1}
+HTTP_NAME = {"haproxy": "HTTP (HAProxy)", "python-proxy": "HTTP (Serve proxy)"}
+# cluster.yaml's head (m6i.2xlarge, CPU: 8): serve-gpu.yaml pins ingresses and routers there.
+HEAD_CORES = 8.0
+# The deployment taking a kind's HTTP in its app, and the args flag under which the kind's
+# model replicas take it themselves (no ingress process). The names are pipelines' own
+# (EMBED_INGRESS, ...; pipelines import Ray, the twin does not): tests/unit/test_twin_path.py
+# checks that they match.
+INGRESS = {"embed": "embed_ingress", "rank": "rank_ingress", "generate": "generate_ingress"}
+DIRECT = {"embed": ("direct_ingress", "embedder"), "generate": ("direct_streaming", "small")}
+ROLE_OF = {"embed": "embedder", "rank": "ranker", "generate": "small"}  # finds a kind's app
+ROUTER_REPLICAS = 2  # router.server.RouterConfig.num_replicas's default
+# Which benchmark row each kind's HTTP and ingress costs are read from. The rerank row runs
+# at ~3 requests/s (the ranker's passes on 2 CPU cores are the limit), where each Serve
+# process's idle CPU (~9 ms/s: the idle embed_ingress and rank_ingress in the same rows) is
+# several ms per request; the embed row (one short text) stands in for rank.
+ROW_OF = {"embed": "embed", "rank": "embed", "generate": "completion"}
+DERIVATION = {
+    "http.embed": "row embed: the HTTP process's CPU-ms per answer",
+    "http.rank": "stand-in: row embed's figure (row rerank, at ~3 requests/s, is mostly idle CPU)",
+    "http.generate": "row completion (model small, 1 token)",
+    "ingress.embed": "row embed: the ingress replicas' CPU-ms per answer (one short text; 8 "
+    "texts cost more: a floor)",
+    "ingress.rank": "stand-in: row embed's figure (row rerank, at ~3 requests/s, is mostly "
+    "idle CPU)",
+    "ingress.generate": "row completion (model small, 1 token)",
+    "router.generate": "row auto's router CPU less the routers' idle CPU (their CPU per second "
+    "in row completion, same Ray session, where model small skips the router, over row auto's "
+    "window), per answer; row auto's own figure counts the idle CPU too (9 requests/s there, "
+    "the large model on CPU the limit)",
+}
+
+
+class PathProfileError(ValueError):
+    """A path profile or benchmark file that cannot be used; the message says what to change."""
+
+
+# --- extraction from `python -m benchmarks path`'s JSON -------------------------------------
+
+
+def _row(rnd: Mapping[str, Any], system: str, row: str) -> Mapping[str, Any]:
+    body = (rnd.get(system) or {}).get(row)
+    if not isinstance(body, Mapping) or "cpu_ms_per_req" not in body:
+        raise PathProfileError(
+            f"the path benchmark has no {system!r} row {row!r} with cpu_ms_per_req; run "
+            f"`python -m benchmarks path` with that system and request kind"
+        )
+    return body
+
+
+def router_ms(rnd: Mapping[str, Any], system: str) -> float:
+    """The router's CPU-ms per ``auto`` request in one round, its idle CPU taken out."""
+    auto, idle = _row(rnd, system, "auto"), _row(rnd, system, "completion")
+    idle_per_s = idle["cpu_ms"]["router"] / idle["window_s"]
+    net = auto["cpu_ms"]["router"] - idle_per_s * auto["window_s"]
+    if auto["answered"] < 1 or net <= 0:
+        raise PathProfileError(
+            f"{system} row auto: {auto['answered']} answers, router CPU {net:.0f} ms above "
+            "idle; the router's cost needs a run whose auto requests were answered"
+        )
+    return net / auto["answered"]
+
+
+def _one_round(rnd: Mapping[str, Any], system: str, http: str) -> dict[str, dict[str, float]]:
+    def per(cls: str) -> dict[str, float]:
+        return {k: float(_row(rnd, system, ROW_OF[k])["cpu_ms_per_req"][cls]) for k in KINDS}
+
+    return {
+        "http": per(http),
+        "ingress": per("ingress"),
+        "router": {"generate": router_ms(rnd, system)},
+    }
+
+
+def extract_path(bench: Mapping[str, Any], bench_file: str, command: str) -> dict[str, Any]:
+    """A path profile from a path benchmark's JSON: per mode (each system it measured),
+    component and kind the median CPU-ms per request over its rounds."""
+    rounds = bench.get("rounds") or []
+    if not rounds:
+        raise PathProfileError(f"{bench_file} has no rounds; is it `python -m benchmarks path`'s?")
+    modes: dict[str, Any] = {}
+    for mode, (system, http) in SYSTEMS.items():
+        if not all(system in rnd for rnd in rounds):
+            continue
+        each = [_one_round(rnd, system, http) for rnd in rounds]
+        ms = {
+            c: {k: round(statistics.median(r[c][k] for r in each), 4) for k in each[0][c]}
+            for c in each[0]
+        }
+        modes[mode] = {"system": system, "http_process": http, "cpu_ms_per_request": ms}
+    if not modes:
+        raise PathProfileError(f"{bench_file} measured none of {[s for s, _ in SYSTEMS.values()]}")
+    return {
+        "schema_version": SCHEMA_VERSION,
+        "kind": PATH_KIND,
+        "name": f"path-cpu-{(bench.get('machine') or {}).get('nproc', '?')}core",
+        "source": "measured",
+        "command": command,
+        "benchmark": {
+            "file": bench_file,
+            "command": bench.get("command"),
+            "finished": bench.get("finished"),
+            "rounds": len(rounds),
+            "machine": bench.get("machine"),
+        },
+        "default_mode": "haproxy" if "haproxy" in modes else next(iter(modes)),
+        "derivation": DERIVATION,
+        "modes": modes,
+    }
+
+
+# --- the file ------------------------------------------------------------------------------
+
+
+def validate_path_profile(doc: Mapping[str, Any]) -> None:
+    """Raises ``PathProfileError`` naming the first field that is missing or not usable."""
+    if doc.get("kind") != PATH_KIND or doc.get("schema_version") != SCHEMA_VERSION:
+        raise PathProfileError(
+            f"kind {doc.get('kind')!r}, schema_version {doc.get('schema_version')!r}: expected "
+            f"{PATH_KIND!r} version {SCHEMA_VERSION}; write one with `python -m carpool.twin "
+            "path-profile`"
+        )
+    for key in ("name", "command", "benchmark", "modes", "default_mode"):
+        if key not in doc:
+            raise PathProfileError(f"the path profile has no {key!r}; add it")
+    if doc["default_mode"] not in doc["modes"]:
+        raise PathProfileError(f"default_mode {doc['default_mode']!r} is not in modes")
+    for mode, body in doc["modes"].items():
+        if mode not in MODES:
+            raise PathProfileError(f"mode {mode!r}: use one of {list(MODES)}")
+        ms = body.get("cpu_ms_per_request") or {}
+        need = [(c, k) for c in ("http", "ingress") for k in KINDS] + [("router", "generate")]
+        for c, k in need:
+            value = (ms.get(c) or {}).get(k)
+            if not isinstance(value, int | float) or not value > 0:
+                raise PathProfileError(
+                    f"modes.{mode}.cpu_ms_per_request.{c}.{k} is {value!r}; a positive CPU-ms"
+                )
+
+
+def load_path_profile(path: str | Path | None = None) -> dict[str, Any]:
+    """Reads and validates a path profile (default: ``DEFAULT_PATH_PROFILE``)."""
+    path = Path(path or DEFAULT_PATH_PROFILE)
+    try:
+        doc = json.loads(path.read_text())
+    except (OSError, json.JSONDecodeError) as exc:
+        raise PathProfileError(f"cannot read path profile {path}: {exc}") from exc
+    validate_path_profile(doc)
+    return doc
+
+
+# --- where the path runs, and its ceilings --------------------------------------------------
+
+
+def _replicas(deployment: Mapping[str, Any]) -> int:
+    """The most replicas a deployment entry allows: num_replicas, else autoscaling's max;
+    none of either is Serve's default, one."""
+    if isinstance(deployment.get("num_replicas"), int):
+        return int(deployment["num_replicas"])
+    auto = deployment.get("autoscaling_config") or {}
+    return int(auto.get("max_replicas") or auto.get("min_replicas") or 1)
+
+
+def ingress_deployments(config: Mapping[str, Any]) -> dict[str, tuple[str, int]]:
+    """Per kind the config serves: (the deployment that takes its HTTP, its replicas)."""
+    out: dict[str, tuple[str, int]] = {}
+    for app in config.get("applications") or []:
+        args = app.get("args") or {}
+        entries = {d.get("name"): d for d in app.get("deployments") or []}
+        for kind, role in ROLE_OF.items():
+            if kind in out or not isinstance(args.get(role), dict):
+                continue
+            flag, model = DIRECT.get(kind, ("", ""))
+            name = model if flag and args.get(flag) else INGRESS[kind]
+            out[kind] = (name, _replicas(entries.get(name) or {}))
+    return out
+
+
+def router_replicas(config: Mapping[str, Any]) -> int:
+    for app in config.get("applications") or []:
+        router = (app.get("args") or {}).get("router")
+        if isinstance(router, dict):
+            return int(router.get("num_replicas", ROUTER_REPLICAS))
+    return 0
+
+
+def auto_rate(traffic: Traffic) -> float:
+    """Generation requests/s that ask for ``model: auto`` (through the router); a trace's do."""
+    mix = traffic.kinds.get("generate")
+    if mix is not None and mix.model != "auto":
+        return 0.0
+    return traffic.rates().get("generate", 0.0)
+
+
+@dataclass(frozen=True)
+class Layout:
+    """Where the path's processes run, from the serve config and the cluster's shape."""
+
+    nodes: int  # nodes with an HTTP process: the GPU nodes and the head (EveryNode)
+    ingress: dict[str, tuple[str, int]]  # kind -> (deployment taking its HTTP, replicas)
+    routers: int
+
+
+@dataclass(frozen=True)
+class Bound:
+    """One component's ceiling on the traffic it serves: cores x 1000 / CPU-ms per request."""
+
+    component: str  # http, ingress, router or head
+    name: str  # as reported: "HTTP (HAProxy)", "ingress embed_ingress", "router", ...
+    cores: float
+    rate: float  # requests/s it serves at the traffic as given
+    ms_per_request: float  # CPU-ms per request over those, mix-weighted
+
+    @property
+    def ceiling_rps(self) -> float:
+        return self.cores * 1000.0 / self.ms_per_request
+
+    @property
+    def load(self) -> float:
+        return self.rate / self.ceiling_rps
+
+    @property
+    def scale(self) -> float:
+        """The multiple of the traffic at which this component is fully busy."""
+        return self.ceiling_rps / self.rate if self.rate > 0 else math.inf
+
+
+def _bound(
+    component: str,
+    name: str,
+    cores: float,
+    parts: list[tuple[float, float]],
+    rate: float | None = None,
+) -> Bound:
+    """From (requests/s, CPU-ms each) parts; ``rate``: the requests counted (default: theirs)."""
+    rate = sum(r for r, _ in parts) if rate is None else rate
+    cpu = sum(r * ms for r, ms in parts)
+    return Bound(component, name, cores, rate, cpu / rate if rate > 0 else 1.0)
+
+
+@dataclass(frozen=True)
+class ServingPath:
+    """One ingress mode's measured CPU per request, and the cores the cluster gives each
+    component (HAProxy threads per node; the head's cores, None: not bounded)."""
+
+    mode: str
+    ms: Mapping[str, Mapping[str, float]]  # component -> kind -> CPU-ms per request
+    http_threads: int
+    head_cores: float | None = HEAD_CORES
+    source: str = ""
+
+    @classmethod
+    def load(
+        cls,
+        path: str | Path | None = None,
+        mode: str | None = None,
+        http_threads: int | None = None,
+        head_cores: float | None = HEAD_CORES,
+    ) -> ServingPath:
+        doc = load_path_profile(path)
+        mode = mode or doc["default_mode"]
+        if mode not in doc["modes"]:
+            raise PathProfileError(f"ingress mode {mode!r}: this profile has {list(doc['modes'])}")
+        threads = http_threads or HTTP_THREADS[mode]
+        source = str(path or DEFAULT_PATH_PROFILE.relative_to(DEFAULT_PATH_PROFILE.parents[1]))
+        return cls(mode, doc["modes"][mode]["cpu_ms_per_request"], threads, head_cores, source)
+
+    def layout(self, config: Mapping[str, Any], gpus: float, gpus_per_node: int) -> Layout:
+        head_only = config.get("proxy_location") == "HeadOnly"
+        nodes = 1 if head_only else max(1, math.ceil(gpus / gpus_per_node)) + 1
+        return Layout(nodes, ingress_deployments(config), router_replicas(config))
+
+    def bounds(
+        self, config: Mapping[str, Any], traffic: Traffic, gpus: float, gpus_per_node: int = 8
+    ) -> list[Bound]:
+        """Every shared component's bound on ``traffic`` (those it does not reach: omitted)."""
+        lay = self.layout(config, gpus, gpus_per_node)
+        rates, auto = traffic.rates(), auto_rate(traffic)
+        http, ingress = self.ms["http"], self.ms["ingress"]
+        router = self.ms["router"]["generate"]
+        out = [
+            _bound(
+                "http",
+                HTTP_NAME[self.mode],
+                lay.nodes * self.http_threads,
+                [(r, http[k]) for k, r in rates.items()],
+            )
+        ]
+        for name, replicas, kinds in _grouped(lay.ingress):
+            parts = [(rates.get(k, 0.0), ingress[k]) for k in kinds]
+            out.append(_bound("ingress", f"ingress {name}", replicas, parts))
+        if lay.routers:
+            out.append(_bound("router", "router", lay.routers, [(auto, router)]))
+        if self.head_cores:
+            # Every ingress (not model replicas serving HTTP) and router replica, and the
+            # head's HTTP process's share of the requests: all on the head's cores.
+            parts = [(r, http[k] / lay.nodes) for k, r in rates.items()]
+            parts += [
+                (rates.get(k, 0.0), ingress[k])
+                for k, (n, _) in lay.ingress.items()
+                if n == INGRESS[k]
+            ]
+            parts.append((auto, router))
+            # Counted in the mix's requests, each with its share of all the head does.
+            total = sum(rates.values())
+            out.append(_bound("head", "head node CPU", self.head_cores, parts, total))
+        return [b for b in out if b.rate > 0]
+
+    def overheads(
+        self, config: Mapping[str, Any], gpus: float, gpus_per_node: int = 8
+    ) -> Overheads:
+        """The whole-cluster twin's path: the HTTP layer, each ingress deployment, the router."""
+        lay = self.layout(config, gpus, gpus_per_node)
+        stages = [
+            PathStage(HTTP_NAME[self.mode], lay.nodes * self.http_threads, dict(self.ms["http"]))
+        ]
+        for name, replicas, kinds in _grouped(lay.ingress):
+            ms = {k: self.ms["ingress"][k] for k in kinds}
+            stages.append(PathStage(f"ingress {name}", replicas, ms))
+        router = self.ms["router"]["generate"]
+        return Overheads(
+            path=tuple(stages), router_rps=1000.0 / router, router_replicas=max(1, lay.routers)
+        )
+
+
+def _grouped(ingress: Mapping[str, tuple[str, int]]) -> list[tuple[str, int, list[str]]]:
+    """(deployment, replicas, kinds) per ingress deployment: kinds sharing one share its cores."""
+    out: dict[str, tuple[int, list[str]]] = {}
+    for kind, (name, replicas) in ingress.items():
+        out.setdefault(name, (replicas, []))[1].append(kind)
+    return [(name, n, kinds) for name, (n, kinds) in out.items()]

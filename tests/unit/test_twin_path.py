@@ -1,0 +1,192 @@
+"""The serving path's measured CPU per request (``carpool.twin.path``) and the ceilings it
+sets: a synthetic path benchmark file read field by field, and bounds that follow from
+cores x 1000 / CPU-ms per request."""
+
+from __future__ import annotations
+
+import copy
+import json
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+
+from carpool.twin.cli import main as twin_cli
+from carpool.twin.path import (
+    DEFAULT_PATH_PROFILE,
+    PathProfileError,
+    ServingPath,
+    extract_path,
+    ingress_deployments,
+    load_path_profile,
+)
+from carpool.twin.traffic import parse_traffic
+
+ROOT = Path(__file__).resolve().parents[2]
+CLASSES = ("ray_proxy", "haproxy", "ingress", "router", "model", "engine", "ray_system", "peer")
+
+
+def row(answered: int, window_s: float, **cpu_ms: float) -> dict[str, Any]:
+    """One benchmark row as ``python -m benchmarks path`` writes it (the fields read here)."""
+    cpu = {c: float(cpu_ms.get(c, 0.0)) for c in CLASSES}
+    return {
+        "answered": answered,
+        "window_s": window_s,
+        "cpu_ms": cpu,
+        "cpu_ms_per_req": {c: v / answered for c, v in cpu.items()},
+    }
+
+
+def bench(scale: float = 1.0) -> dict[str, Any]:
+    """One round; ``scale`` multiplies every CPU figure (a second, slower round)."""
+    carpool = {
+        "embed": row(1000, 10.0, haproxy=100 * scale, ingress=2000 * scale, model=3000),
+        "rerank": row(10, 10.0, haproxy=5, ingress=500),  # idle-dominated: not read
+        # Router off the path (model small): 20 ms over 10 s is its idle CPU, 2 ms/s.
+        "completion": row(500, 10.0, haproxy=60 * scale, ingress=1250 * scale, router=20),
+        # 100 answers in 20 s: 340 ms of router CPU, 40 of it idle: 3 ms per answer.
+        "auto": row(100, 20.0, haproxy=10, ingress=400, router=40 + 300 * scale),
+    }
+    python = copy.deepcopy(carpool)
+    for body in python.values():
+        body["cpu_ms_per_req"]["ray_proxy"] = 3.0 * scale
+    return {
+        "command": "python -m benchmarks path --rounds 1",
+        "finished": "2026-11-28 15:18:35",
+        "machine": {"nproc": 2},
+        "rounds": [{"carpool": carpool, "carpool-python-proxy": python}],
+    }
+
+
+def test_extraction_reads_each_components_cpu_ms_per_request() -> None:
+    doc = extract_path(bench(), "x.json", "python -m carpool.twin path-profile x.json")
+    ms = doc["modes"]["haproxy"]["cpu_ms_per_request"]
+    assert ms["http"] == {"embed": 0.1, "rank": 0.1, "generate": 0.12}  # rank: embed's row
+    assert ms["ingress"] == {"embed": 2.0, "rank": 2.0, "generate": 2.5}
+    assert ms["router"] == {"generate": pytest.approx(3.0)}  # idle CPU taken out, not 3.4
+    python = doc["modes"]["python-proxy"]["cpu_ms_per_request"]
+    assert python["http"] == {"embed": 3.0, "rank": 3.0, "generate": 3.0}
+    assert doc["benchmark"]["file"] == "x.json" and doc["name"] == "path-cpu-2core"
+    assert doc["benchmark"]["command"] == "python -m benchmarks path --rounds 1"
+    assert doc["default_mode"] == "haproxy"
+
+
+def test_extraction_takes_the_median_over_rounds() -> None:
+    three = bench()
+    three["rounds"] += bench(2.0)["rounds"] + bench(3.0)["rounds"]
+    ms = extract_path(three, "x.json", "cmd")["modes"]["haproxy"]["cpu_ms_per_request"]
+    assert ms["ingress"]["embed"] == pytest.approx(4.0)
+    assert ms["router"]["generate"] == pytest.approx(6.0)
+
+
+def test_extraction_names_the_missing_row() -> None:
+    doc = bench()
+    del doc["rounds"][0]["carpool"]["auto"]
+    with pytest.raises(PathProfileError, match="'carpool' row 'auto'"):
+        extract_path(doc, "x.json", "cmd")
+    with pytest.raises(PathProfileError, match="no rounds"):
+        extract_path({"rounds": []}, "x.json", "cmd")
+
+
+def test_the_cli_writes_a_profile_the_twin_loads(tmp_path: Path) -> None:
+    source = tmp_path / "path.json"
+    source.write_text(json.dumps(bench()))
+    out = tmp_path / "path-profile.json"
+    assert twin_cli(["path-profile", str(source), "--out", str(out)]) == 0
+    doc = load_path_profile(out)
+    assert doc["command"].startswith("python -m carpool.twin path-profile")
+    assert ServingPath.load(out, "python-proxy").ms["http"]["embed"] == 3.0
+
+
+GPU_CONFIG = yaml.safe_load((ROOT / "serve-gpu.yaml").read_text())
+MIX = parse_traffic("embed=3,rank=1,generate=1")
+
+
+def scales(path: ServingPath, config: dict[str, Any] = GPU_CONFIG, gpus: float = 64) -> dict:
+    return {b.name: b.scale for b in path.bounds(config, MIX, gpus)}
+
+
+def haproxy(ingress_embed: float = 2.0, head_cores: float | None = None) -> ServingPath:
+    ms = {
+        "http": {"embed": 0.1, "rank": 0.1, "generate": 0.1},
+        "ingress": {"embed": ingress_embed, "rank": 2.0, "generate": 2.5},
+        "router": {"generate": 4.0},
+    }
+    return ServingPath("haproxy", ms, http_threads=4, head_cores=head_cores)
+
+
+def test_each_ceiling_is_cores_times_1000_over_measured_cpu_ms() -> None:
+    got = scales(haproxy())
+    # 64 GPUs: 8 nodes and the head, 4 HAProxy threads each, 0.1 ms x 5 requests per mix.
+    assert got["HTTP (HAProxy)"] == pytest.approx(9 * 4 * 1000 / 0.5)
+    assert got["ingress embed_ingress"] == pytest.approx(1000 / (3 * 2.0))  # 1 replica, 3/s
+    assert got["ingress generate_ingress"] == pytest.approx(1000 / 2.5)
+    assert got["router"] == pytest.approx(2 * 1000 / 4.0)  # serve-gpu.yaml's 2 routers
+
+
+def test_halving_the_measured_ingress_cpu_doubles_its_bound() -> None:
+    assert scales(haproxy(1.0))["ingress embed_ingress"] == pytest.approx(
+        2 * scales(haproxy(2.0))["ingress embed_ingress"]
+    )
+
+
+def test_the_head_bound_counts_everything_the_head_runs() -> None:
+    # Per mix: ingress 3x2 + 2 + 2.5, router 4, and the head's ninth of HTTP's 0.5 ms.
+    head = scales(haproxy(head_cores=8.0))["head node CPU"]
+    assert head == pytest.approx(8000 / (6 + 2 + 2.5 + 4 + 0.5 / 9))
+
+
+def test_ingress_replicas_come_from_the_serve_config() -> None:
+    assert ingress_deployments(GPU_CONFIG)["embed"] == ("embed_ingress", 1)  # Serve's default
+    config = copy.deepcopy(GPU_CONFIG)
+    embed = next(a for a in config["applications"] if a["name"] == "embed")
+    embed["deployments"].append({"name": "embed_ingress", "num_replicas": 3})
+    rank = next(a for a in config["applications"] if a["name"] == "rank")
+    rank["deployments"].append(
+        {"name": "rank_ingress", "autoscaling_config": {"min_replicas": 1, "max_replicas": 4}}
+    )
+    got = scales(haproxy(), config)
+    assert got["ingress embed_ingress"] == pytest.approx(3 * 1000 / 6.0)
+    assert got["ingress rank_ingress"] == pytest.approx(4 * 1000 / 2.0)
+    # direct_ingress: the embedder's replicas take the embed pipeline's HTTP themselves.
+    embed["args"]["direct_ingress"] = True
+    assert ingress_deployments(config)["embed"] == ("embedder", 4)  # autoscaling's max
+
+
+def test_the_python_proxy_mode_is_one_core_per_node() -> None:
+    ms = {**haproxy().ms, "http": {"embed": 3.0, "rank": 3.0, "generate": 3.0}}
+    path = ServingPath("python-proxy", ms, http_threads=1, head_cores=None)
+    assert scales(path, gpus=16)["HTTP (Serve proxy)"] == pytest.approx(3 * 1000 / 15.0)
+
+
+def test_the_whole_cluster_twin_gets_the_path_as_stages() -> None:
+    over = haproxy().overheads(GPU_CONFIG, 16)
+    stages = {s.name: (s.servers, s.ms) for s in over.path}
+    assert stages["HTTP (HAProxy)"][0] == 3 * 4
+    assert stages["ingress embed_ingress"] == (1, {"embed": 2.0})
+    assert over.router_rps == pytest.approx(1000 / 4.0) and over.router_replicas == 2
+
+
+def test_the_shipped_path_profile_loads_and_names_its_source() -> None:
+    doc = load_path_profile(DEFAULT_PATH_PROFILE)
+    assert (ROOT / doc["benchmark"]["file"]).exists()
+    assert "benchmarks path" in doc["benchmark"]["command"]
+    assert set(doc["modes"]) == {"haproxy", "python-proxy"}
+
+
+def test_ingress_names_are_the_pipelines_own() -> None:
+    from carpool.twin.path import DIRECT, INGRESS
+    from pipelines import embed, generate, rank
+    from pipelines.embed import EmbedArgs
+    from pipelines.generate import GenerateArgs
+
+    assert INGRESS == {
+        "embed": embed.EMBED_INGRESS,
+        "rank": rank.RANK_INGRESS,
+        "generate": generate.GENERATE_INGRESS,
+    }
+    assert DIRECT["embed"] == ("direct_ingress", embed.EMBEDDER_DEPLOYMENT)
+    assert DIRECT["generate"] == ("direct_streaming", generate.DIRECT_INGRESS)
+    assert "direct_ingress" in EmbedArgs.model_fields
+    assert "direct_streaming" in GenerateArgs.model_fields
