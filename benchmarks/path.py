@@ -85,8 +85,14 @@ def make_probe(kind: str, model: str | None) -> Probe:
         return Probe(kind, "/v1/rerank", body)
     if kind == "completion":
         return Probe(kind, "/v1/completions", {"prompt": "Hello", "max_tokens": 1, **named})
+    if kind == "chat":  # the auto row's request with model small: auto - chat = the router
+        messages = [{"role": "user", "content": "What is 2+2? Reply with the digit only."}]
+        return Probe(kind, "/v1/chat/completions", {"messages": messages, "max_tokens": 1, **named})
     if kind == "auto":
-        messages = [{"role": "user", "content": "Hello"}]
+        # A question whose one-token answer the small model is sure of, so the router keeps it
+        # on small (for "Hello" its cascade escalated 264 of 268 to large, and the row
+        # measured the large model): the row then prices the router's hop, not a model.
+        messages = [{"role": "user", "content": "What is 2+2? Reply with the digit only."}]
         return Probe(kind, "/v1/chat/completions", {"messages": messages, "max_tokens": 1, **named})
     if kind == "refused":
         # The cheapest honest refusal: a deadline already spent. carpool's ingress answers 504

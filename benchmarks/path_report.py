@@ -89,15 +89,16 @@ def ratios(rounds: list[dict[str, Any]]) -> dict[str, dict[str, float]]:
             ]
             if any(num in p and den in p for p in per_round):
                 out[f"{num}/{den} req/s {kind}"] = paired_ratios(per_round, num, den)
-    for metric in ("total_cpu_ms_per_req", "path_cpu_ms_per_req"):
-        diffs = [
-            r["carpool"]["auto"][metric] - r["carpool"]["completion"][metric]
-            for r in rounds
-            if measured(r.get("carpool", {}).get("auto"))
-            and measured(r.get("carpool", {}).get("completion"))
-        ]
-        if diffs:
-            out[f"carpool auto - completion {metric}"] = median_spread(diffs)
+    for base in ("completion", "chat"):
+        for metric in ("total_cpu_ms_per_req", "path_cpu_ms_per_req"):
+            diffs = [
+                r["carpool"]["auto"][metric] - r["carpool"][base][metric]
+                for r in rounds
+                if measured(r.get("carpool", {}).get("auto"))
+                and measured(r.get("carpool", {}).get(base))
+            ]
+            if diffs:
+                out[f"carpool auto - {base} {metric}"] = median_spread(diffs)
     return out
 
 

@@ -20,7 +20,15 @@ from typing import Any
 
 from benchmarks import peers, proc_cpu
 
-KINDS: tuple[str, ...] = ("embed", "embed-prefix", "rerank", "completion", "auto", "refused")
+KINDS: tuple[str, ...] = (
+    "embed",
+    "embed-prefix",
+    "rerank",
+    "completion",
+    "chat",
+    "auto",
+    "refused",
+)
 # serve-noop's HTTP port: beside carpool's (peers.PORTS), in this harness's 8200-8299 range.
 NOOP_PORT = 8211
 READY_PATH = "/v1/models"
@@ -30,6 +38,7 @@ CARPOOL_MODELS = {
     "embed-prefix": "all-MiniLM-L6-v2",
     "rerank": "SmolLM2-135M-Instruct",
     "completion": "small",
+    "chat": "small",
     "auto": "auto",
 }
 # Which serve.yaml app answers each kind at carpool's /v1 (the openai app fronts it).
@@ -39,6 +48,7 @@ CARPOOL_APPS = {
     "refused": "embed",
     "rerank": "rank",
     "completion": "generate",
+    "chat": "generate",
     "auto": "generate",
 }
 
