@@ -18,7 +18,7 @@ served: the server never hears that the client left, and computes for nobody.
 
 Ray runs whatever ``RAY_SERVE_HAPROXY_BINARY_PATH`` names, for every start and reload, with
 ``-f <config>``. ``carpool-haproxy`` (``main`` below) is that binary: it rewrites those four
-lines of the file it is given, then ``exec``s the real HAProxy (same PID, so Ray's process
+lines of the file it is given (and lets requests with many headers through to the ingress), then ``exec``s the real HAProxy (same PID, so Ray's process
 tracking is unchanged). Nothing else in the config changes.
 
 Also set here: ``hard-stop-after``. After a reload (any replica added or removed) Ray's
@@ -63,11 +63,28 @@ _ADMIN_SOCKET_MODE = re.compile(r"^(\s*stats\s+socket\s+\S+\s+mode\s+)666\b")
 # of 5 aborts reached the server with it and 5 of 5 without, so queued work for clients that
 # left was computed anyway. carpool's request bodies are small JSON: splicing saves nothing.
 _SPLICE_REQUEST = re.compile(r"^\s*option\s+splice-request\s*$")
+# HAProxy refuses a request with more headers than tune.http.maxhdr (101 by default) itself,
+# with an HTML 400 that no errorfile replaces (it is raised while parsing, before any proxy
+# rule): 200 headers, which Serve's Python proxy passed to the ingress and the ingress
+# answered, got HTML. With 1,024 such requests reach the ingress, which answers in OpenAI's
+# shape; past that HAProxy's own page remains.
+MAX_HEADERS = 1024
+_GLOBAL = re.compile(r"^global\s*$")
+# Requests whose headers fit here reach the ingress, which answers any 4xx itself (Ray's
+# default, 16 KB, answered a 60 KB header with a reset before the client read anything).
+# HAProxy holds such buffers only while a request is in flight on a connection.
+BUFSIZE_BYTES = 65536
 
 
-def harden_config(text: str, *, stats_host: str = LOOPBACK, metrics_host: str = LOOPBACK) -> str:
+def harden_config(
+    text: str,
+    *,
+    stats_host: str = LOOPBACK,
+    metrics_host: str = LOOPBACK,
+) -> str:
     """Ray's generated HAProxy config with its open binds narrowed, its admin socket private
-    to the user Ray runs as, and request splicing off (so a client that leaves is seen).
+    to the user Ray runs as, request splicing off (so a client that leaves is seen) and room
+    for as many headers as the ingress takes.
 
     Binds with no address or the wildcard take ``metrics_host`` in ``frontend prometheus``
     and ``stats_host`` anywhere else (the stats page today). Binds Ray gives an address (the
@@ -75,10 +92,16 @@ def harden_config(text: str, *, stats_host: str = LOOPBACK, metrics_host: str = 
     """
     out: list[str] = []
     section = ""
+    # Idempotent: Ray may have the wrapper check (-c) and then start on the same file.
+    already = "tune.http.maxhdr" in text
     for line in text.splitlines(keepends=True):
         header = _SECTION.match(line)
         if header:
             section = f"{header.group(1)} {header.group(2)}".strip()
+            if _GLOBAL.match(line.rstrip("\n")) and not already:
+                out.append(line)
+                out.append(f"    tune.http.maxhdr {MAX_HEADERS}\n")
+                continue
         if _SPLICE_REQUEST.match(line.rstrip("\n")):
             continue
         line = _ADMIN_SOCKET_MODE.sub(r"\g<1>600", line)
@@ -186,6 +209,7 @@ def ray_environment(
         # Where the wrapper is on the nodes (an image's path), else beside this Python.
         "RAY_SERVE_HAPROXY_BINARY_PATH": binary or wrapper_path(),
         "RAY_SERVE_HAPROXY_HARD_STOP_AFTER_S": str(hard_stop_after_s),
+        "RAY_SERVE_HAPROXY_TUNE_BUFSIZE": str(BUFSIZE_BYTES),
         STATS_HOST_VAR: stats_host,
         METRICS_HOST_VAR: metrics_host,
     }

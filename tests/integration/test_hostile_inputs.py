@@ -110,7 +110,14 @@ def test_hostile_batch_gets_4xx_and_good_requests_still_succeed(
         if response.status_code not in allowed:
             problems.append(f"{label} ({path}): {response.status_code} {response.text[:300]}")
         elif response.status_code >= 400:
-            message = response.json().get("error", {}).get("message", "")
+            try:
+                message = response.json().get("error", {}).get("message", "")
+            except ValueError:
+                problems.append(
+                    f"{label} ({path}): {response.status_code} body is not JSON: "
+                    f"{response.headers.get('server')} {response.text[:200]!r}"
+                )
+                continue
             if len(message) < 15:
                 problems.append(f"{label}: error message should say what to change: {message!r}")
     assert not problems, "\n".join(problems)

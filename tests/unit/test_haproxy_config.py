@@ -85,6 +85,12 @@ def test_explicit_binds_are_left_alone() -> None:
     assert haproxy.harden_config(text) == text
 
 
+def test_header_room_is_added_once() -> None:
+    once = haproxy.harden_config(ray_generated_config())
+    assert once.count(f"tune.http.maxhdr {haproxy.MAX_HEADERS}") == 1
+    assert haproxy.harden_config(once) == once
+
+
 def test_real_haproxy_accepts_the_hardened_config(tmp_path: Path) -> None:
     text = ray_generated_config().replace("/tmp/carpool-test", str(tmp_path))
     cfg = tmp_path / "haproxy.cfg"
@@ -101,6 +107,7 @@ def test_real_haproxy_accepts_the_hardened_config(tmp_path: Path) -> None:
     )
     assert proc.returncode == 0, proc.stderr + proc.stdout
     assert "127.0.0.1:8404" in binds(cfg.read_text())
+    assert "tune.http.maxhdr" in cfg.read_text()
 
 
 def test_wrapper_never_resolves_to_itself(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -118,6 +125,7 @@ def test_environment_and_opt_out() -> None:
     assert env["RAY_SERVE_ENABLE_HA_PROXY"] == "1"
     assert Path(env["RAY_SERVE_HAPROXY_BINARY_PATH"]).name == haproxy.WRAPPER_NAME
     assert int(env["RAY_SERVE_HAPROXY_HARD_STOP_AFTER_S"]) >= 3600
+    assert int(env["RAY_SERVE_HAPROXY_TUNE_BUFSIZE"]) >= 64 * 1024
     assert env["RAY_SERVE_HAPROXY_STATS_PORT"] == "18404"
     assert haproxy.ray_environment(enabled=False) == {"RAY_SERVE_ENABLE_HA_PROXY": "0"}
 
