@@ -37,7 +37,12 @@ SCHEMA_VERSION = 1
 DEFAULT_PATH_PROFILE = Path(__file__).resolve().parents[2] / "profiles" / "path-cpu-2core.json"
 MODES = ("haproxy", "python-proxy")
 # The benchmark system measured for each mode, and the process class that is its HTTP layer.
-SYSTEMS = {"haproxy": ("carpool", "haproxy"), "python-proxy": ("carpool-python-proxy", "ray_proxy")}
+# For Serve's proxy, either system: carpool-previous differs from carpool-python-proxy only in
+# the embed app's own URL, which no row read here uses (they read /v1).
+SYSTEMS: dict[str, tuple[tuple[str, ...], str]] = {
+    "haproxy": (("carpool",), "haproxy"),
+    "python-proxy": (("carpool-python-proxy", "carpool-previous"), "ray_proxy"),
+}
 # HTTP servers per node: HAProxy runs RAY_SERVE_HAPROXY_NBTHREAD threads (Ray's default, 4,
 # ray/serve/_private/constants.py), assumed to find that many free cores on every node;
 # Serve's proxy is one Python process, so one core.
@@ -122,8 +127,9 @@ def extract_path(bench: Mapping[str, Any], bench_file: str, command: str) -> dic
     if not rounds:
         raise PathProfileError(f"{bench_file} has no rounds; is it `python -m benchmarks path`'s?")
     modes: dict[str, Any] = {}
-    for mode, (system, http) in SYSTEMS.items():
-        if not all(system in rnd for rnd in rounds):
+    for mode, (candidates, http) in SYSTEMS.items():
+        system = next((c for c in candidates if all(c in rnd for rnd in rounds)), None)
+        if system is None:
             continue
         each = [_one_round(rnd, system, http) for rnd in rounds]
         ms = {
@@ -132,7 +138,8 @@ def extract_path(bench: Mapping[str, Any], bench_file: str, command: str) -> dic
         }
         modes[mode] = {"system": system, "http_process": http, "cpu_ms_per_request": ms}
     if not modes:
-        raise PathProfileError(f"{bench_file} measured none of {[s for s, _ in SYSTEMS.values()]}")
+        names = [name for names, _ in SYSTEMS.values() for name in names]
+        raise PathProfileError(f"{bench_file} measured none of {names}")
     return {
         "schema_version": SCHEMA_VERSION,
         "kind": PATH_KIND,

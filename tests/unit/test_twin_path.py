@@ -120,8 +120,9 @@ def test_each_ceiling_is_cores_times_1000_over_measured_cpu_ms() -> None:
     got = scales(haproxy())
     # 64 GPUs: 8 nodes and the head, 4 HAProxy threads each, 0.1 ms x 5 requests per mix.
     assert got["HTTP (HAProxy)"] == pytest.approx(9 * 4 * 1000 / 0.5)
-    assert got["ingress embed_ingress"] == pytest.approx(1000 / (3 * 2.0))  # 1 replica, 3/s
-    assert got["ingress generate_ingress"] == pytest.approx(1000 / 2.5)
+    # serve-gpu.yaml: 4 embed ingress replicas (3 embeds per mix), 2 generate ingress replicas.
+    assert got["ingress embed_ingress"] == pytest.approx(4 * 1000 / (3 * 2.0))
+    assert got["ingress generate_ingress"] == pytest.approx(2 * 1000 / 2.5)
     assert got["router"] == pytest.approx(2 * 1000 / 4.0)  # serve-gpu.yaml's 2 routers
 
 
@@ -138,10 +139,11 @@ def test_the_head_bound_counts_everything_the_head_runs() -> None:
 
 
 def test_ingress_replicas_come_from_the_serve_config() -> None:
-    assert ingress_deployments(GPU_CONFIG)["embed"] == ("embed_ingress", 1)  # Serve's default
+    assert ingress_deployments(GPU_CONFIG)["embed"] == ("embed_ingress", 4)  # serve-gpu.yaml
     config = copy.deepcopy(GPU_CONFIG)
     embed = next(a for a in config["applications"] if a["name"] == "embed")
-    embed["deployments"].append({"name": "embed_ingress", "num_replicas": 3})
+    entry = next(d for d in embed["deployments"] if d["name"] == "embed_ingress")
+    entry["num_replicas"] = 3
     rank = next(a for a in config["applications"] if a["name"] == "rank")
     rank["deployments"].append(
         {"name": "rank_ingress", "autoscaling_config": {"min_replicas": 1, "max_replicas": 4}}
@@ -164,7 +166,7 @@ def test_the_whole_cluster_twin_gets_the_path_as_stages() -> None:
     over = haproxy().overheads(GPU_CONFIG, 16)
     stages = {s.name: (s.servers, s.ms) for s in over.path}
     assert stages["HTTP (HAProxy)"][0] == 3 * 4
-    assert stages["ingress embed_ingress"] == (1, {"embed": 2.0})
+    assert stages["ingress embed_ingress"] == (4, {"embed": 2.0})
     assert over.router_rps == pytest.approx(1000 / 4.0) and over.router_replicas == 2
 
 
