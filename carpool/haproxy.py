@@ -17,7 +17,7 @@ and its ``option splice-request`` hides a client's close from HAProxy while a re
 served: the server never hears that the client left, and computes for nobody.
 
 Ray runs whatever ``RAY_SERVE_HAPROXY_BINARY_PATH`` names, for every start and reload, with
-``-f <config>``. ``carpool-haproxy`` (``main`` below) is that binary: it rewrites those four
+``-f <config>``. ``carpool-haproxy`` (``main`` below) is that binary: it rewrites those
 lines of the file it is given (and lets requests with many headers through to the ingress), then ``exec``s the real HAProxy (same PID, so Ray's process
 tracking is unchanged). Nothing else in the config changes.
 
@@ -69,7 +69,6 @@ _SPLICE_REQUEST = re.compile(r"^\s*option\s+splice-request\s*$")
 # answered, got HTML. With 1,024 such requests reach the ingress, which answers in OpenAI's
 # shape; past that HAProxy's own page remains.
 MAX_HEADERS = 1024
-_GLOBAL = re.compile(r"^global\s*$")
 # Requests whose headers fit here reach the ingress, which answers any 4xx itself (Ray's
 # default, 16 KB, answered a 60 KB header with a reset before the client read anything).
 # HAProxy holds such buffers only while a request is in flight on a connection.
@@ -95,22 +94,20 @@ def harden_config(
     # Idempotent: Ray may have the wrapper check (-c) and then start on the same file.
     already = "tune.http.maxhdr" in text
     for line in text.splitlines(keepends=True):
-        header = _SECTION.match(line)
+        bare = line.rstrip("\n")
+        newline = line[len(bare) :]
+        header = _SECTION.match(bare)
         if header:
             section = f"{header.group(1)} {header.group(2)}".strip()
-            if _GLOBAL.match(line.rstrip("\n")) and not already:
-                out.append(line)
-                out.append(f"    tune.http.maxhdr {MAX_HEADERS}\n")
-                continue
-        if _SPLICE_REQUEST.match(line.rstrip("\n")):
+        if _SPLICE_REQUEST.match(bare):
             continue
-        line = _ADMIN_SOCKET_MODE.sub(r"\g<1>600", line)
-        bind = _WILDCARD_BIND.match(line.rstrip("\n"))
+        bind = _WILDCARD_BIND.match(bare)
         if bind:
             host = metrics_host if section == "frontend prometheus" else stats_host
-            newline = "\n" if line.endswith("\n") else ""
             line = f"{bind.group(1)}{_bind_address(host)}:{bind.group(2)}{bind.group(3)}{newline}"
-        out.append(line)
+        out.append(_ADMIN_SOCKET_MODE.sub(r"\g<1>600", line))
+        if header and section == "global" and not already:
+            out.append(f"    tune.http.maxhdr {MAX_HEADERS}\n")
     return "".join(out)
 
 
