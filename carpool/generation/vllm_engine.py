@@ -27,6 +27,10 @@ How the pieces map:
 - Stats: a vLLM stat logger turns each engine-core iteration's stats into ``StepRecord``s
   for the listeners, so carpool's generator metrics and dashboard work unchanged.
 
+- Orphans: vLLM's engine core is a child process that outlives a replica killed without its
+  cleanup (SIGKILL, ``ray stop``); ``engine_reaper`` watches the replica from a process of
+  its own and ends the engine core within seconds of the replica's death.
+
 vLLM is imported only when an engine is built: without it ``engine: vllm`` fails with what
 to install (``VllmNotInstalled``), and nothing else needs it. vLLM's output handler binds to
 the first loop that generates; an engine serves one loop for its life (a replica's).
@@ -44,6 +48,7 @@ from typing import Any
 
 from carpool.aging import aging_key
 from carpool.generation.assembly import EngineCore
+from carpool.generation.engine_reaper import start_reaper
 from carpool.generation.scheduler import SchedulerLimits
 from carpool.generation.sequence import GenSequence, StepRecord, TokenizerInfo
 from carpool.generation.vllm_options import (
@@ -143,6 +148,8 @@ class VllmEngine(EngineCore):
         from vllm.v1.engine.async_llm import AsyncLLM
 
         os.environ.update(engine_env(options, device))  # read by the engine-core process
+        # Before the engine core exists, so a replica killed while vLLM loads leaves none.
+        self.reaper = start_reaper()
         self.llm = AsyncLLM.from_engine_args(
             AsyncEngineArgs(**self.args), stat_loggers=[_stat_logger_factory(self)]
         )
