@@ -482,15 +482,16 @@ def build_generator_deployment(
     name: str,
     deployment_cls: type[GeneratorDeployment] = GeneratorDeployment,
     bind_args: Sequence[Any] = (),
+    deployment_actors: Sequence[Any] = (),
 ) -> Application:
     """Applies the Serve options from ``config`` and binds the deployment (a subclass, such
-    as the generate app's direct-streaming ingress, gets ``bind_args`` after the config)."""
-    return (
-        serve.deployment(deployment_cls)
-        .options(
-            **config.serve_options(name),
-            user_config=config.batching.model_dump(),
-            graceful_shutdown_timeout_s=graceful_shutdown_s(config),
-        )
-        .bind(config.model_dump(), *bind_args)
-    )
+    as the generate app's direct-streaming ingress, gets ``bind_args`` after the config, and
+    the deployment-scoped actors it uses)."""
+    options: dict[str, Any] = {
+        **config.serve_options(name),
+        "user_config": config.batching.model_dump(),
+        "graceful_shutdown_timeout_s": graceful_shutdown_s(config),
+    }
+    if deployment_actors:
+        options["deployment_actors"] = list(deployment_actors)
+    return serve.deployment(deployment_cls).options(**options).bind(config.model_dump(), *bind_args)

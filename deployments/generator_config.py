@@ -190,6 +190,19 @@ class GeneratorConfig(StrictModel):
             )
         return self
 
+    @model_validator(mode="after")
+    def _gpu_share_holds_the_engine(self) -> GeneratorConfig:
+        # vLLM takes gpu_memory_utilization of the whole GPU whatever Ray's num_gpus says:
+        # above the replica's share, engines packed onto one GPU ask for more than it has.
+        gpus, share = self.replica.num_gpus, self.vllm.gpu_memory_utilization
+        if self.mode == "vllm" and 0 < gpus < 1 and share > gpus:
+            raise ValueError(
+                f"vllm.gpu_memory_utilization ({share}) is more than replica.num_gpus "
+                f"({gpus}): replicas Ray packs onto one GPU would ask vLLM for more memory "
+                f"than the GPU has; set gpu_memory_utilization to {gpus} or below"
+            )
+        return self
+
     def serve_options(self, name: str) -> dict[str, Any]:
         # Room for every running sequence and every waiting one the replica's own admission
         # allows; replica counts and autoscaling come from the serve config's deployments[].

@@ -11,10 +11,16 @@ a separate ingress deployment in front of the generators (the default), or, with
 Serve LLM's direct streaming does: the small model's tokens then reach Serve's proxy
 straight from the replica that generates them.
 
+``model: "auto"`` is decided in the ingress process itself (``router.deployment.HostedRouter``):
+no router deployment, so a request for auto crosses one Ray hop to the chosen generator, as
+one naming a model does. Other apps (the OpenAI URL, rag) reach the router through the
+ingress's ``route_*`` methods (``RouterHandle``).
+
 ``serve run pipelines.generate:app`` serves it alone; the default serve config deploys it
 with the other pipelines.
 """
 
+from collections.abc import AsyncIterator
 from typing import Any
 
 from fastapi import FastAPI
@@ -37,7 +43,7 @@ from pipelines.generate_handler import (
     GenerateArgs,
     GenerateHandler,
 )
-from router.deployment import build_router_deployment
+from router.deployment import HostedRouter, predictor_store
 
 __all__ = [
     "DIRECT_INGRESS",
@@ -88,32 +94,73 @@ def generate_api(handler: GenerateHandler) -> FastAPI:
     return api
 
 
+class RouterHost:
+    """What an ingress hosting the router gives other apps: ``auto`` as a handle's methods.
+
+    ``route_generate`` / ``route_stream`` / ``route_describe`` answer as a generator's
+    ``generate`` / ``stream`` / ``describe`` do (``RouterHandle`` maps them), decided by this
+    replica's router.
+    """
+
+    router: HostedRouter | None = None
+
+    def _router(self) -> HostedRouter:
+        if self.router is None:
+            raise RuntimeError("this generate app has no router (args.router: null)")
+        return self.router
+
+    async def route_generate(self, call: dict[str, Any]) -> dict[str, Any]:
+        return await self._router().generate(call)
+
+    async def route_stream(self, call: dict[str, Any]) -> AsyncIterator[dict[str, Any]]:
+        async for event in self._router().stream(call):
+            yield event
+
+    async def route_describe(self) -> dict[str, Any]:
+        return await self._router().describe()
+
+
+def _hosted_router(args: GenerateArgs, small: Any, large: Any) -> HostedRouter | None:
+    return HostedRouter(args.router, small, large) if args.router is not None else None
+
+
 @serve.ingress()
-class GenerateIngress(GenerateHandler):
-    """HTTP front of the generate pipeline: validates, picks the model, formats, streams."""
+class GenerateIngress(RouterHost, GenerateHandler):
+    """HTTP front of the generate pipeline: validates, picks the model, formats, streams.
+
+    It hosts the router: ``auto`` is decided here and goes straight to the chosen generator.
+    """
 
     def __init__(
         self,
         small: DeploymentHandle,
         large: DeploymentHandle | None,
         args: dict[str, Any],
-        router: DeploymentHandle | None = None,
     ) -> None:
-        super().__init__(small, large, GenerateArgs.model_validate(args), router)
+        parsed = GenerateArgs.model_validate(args)
+        self.router = _hosted_router(parsed, small, large)
+        local = LocalHandle(self.router) if self.router is not None else None
+        GenerateHandler.__init__(self, small, large, parsed, local)
 
     def __serve_build_asgi_app__(self) -> FastAPI:
         api = generate_api(self)
         apply_ingress_defaults(api, self.args.ingress)
         return api
 
+    def __del__(self) -> None:
+        if self.router is not None:
+            self.router.close()
+
 
 @serve.ingress()
-class DirectGenerateIngress(GeneratorDeployment):
+class DirectGenerateIngress(RouterHost, GeneratorDeployment):
     """The small generator serving the pipeline's HTTP itself (``direct_streaming``).
 
-    Its own model is called in-process (``LocalHandle``); large and the router over handles.
-    Other apps (the OpenAI URL, rag, the router) still reach it as the ``small`` deployment.
-    The ingress's own niceness is not applied: this process generates.
+    Its own model is called in-process (``LocalHandle``), and so is the router it hosts: an
+    ``auto`` request answered by small never leaves this process; large is reached over a
+    handle. Other apps (the OpenAI URL, rag) still reach it as the ``small`` deployment, and
+    ``auto`` through ``route_*``. The ingress's own niceness is not applied: this process
+    generates.
     """
 
     def __init__(
@@ -121,12 +168,12 @@ class DirectGenerateIngress(GeneratorDeployment):
         config: dict[str, Any],
         large: DeploymentHandle | None,
         args: dict[str, Any],
-        router: DeploymentHandle | None = None,
     ) -> None:
         GeneratorDeployment.__init__(self, config)
-        self.http = GenerateHandler(
-            LocalHandle(self), large, GenerateArgs.model_validate(args), router
-        )
+        parsed = GenerateArgs.model_validate(args)
+        self.router = _hosted_router(parsed, LocalHandle(self), large)
+        local = LocalHandle(self.router) if self.router is not None else None
+        self.http = GenerateHandler(LocalHandle(self), large, parsed, local)
 
     def __serve_build_asgi_app__(self) -> FastAPI:
         api = generate_api(self.http)
@@ -137,7 +184,10 @@ class DirectGenerateIngress(GeneratorDeployment):
         return self.http.settings()
 
     async def __del__(self) -> None:  # type: ignore[override]
-        # Serve awaits it: the engine is closed, then the HTTP app's lifespan ends.
+        # Serve awaits it: the router's sync stops, the engine is closed, then the HTTP
+        # app's lifespan ends.
+        if self.router is not None:
+            self.router.close()
         GeneratorDeployment.__del__(self)
         lifespan = getattr(self, "_serve_asgi_lifespan", None)
         if lifespan is not None:
@@ -145,24 +195,29 @@ class DirectGenerateIngress(GeneratorDeployment):
 
 
 def build_generate_app(args: dict[str, Any] | None = None) -> Application:
-    """The generate pipeline: ingress -> small generator (+ large generator, + router)."""
+    """The generate pipeline: ingress (hosting the router) -> small and large generators."""
     parsed = GenerateArgs.model_validate(args or {})
     large = build_generator_deployment(parsed.large, "large") if parsed.large else None
     if parsed.direct_streaming:
-        # The router finds small by name (it cannot bind the deployment that binds it).
-        router = build_router_deployment(parsed.router, None, large) if parsed.router else None
         return build_generator_deployment(
             parsed.small,
             DIRECT_INGRESS,
             DirectGenerateIngress,
-            (large, parsed.model_dump(), router),
+            (large, parsed.model_dump()),
+            deployment_actors=_router_actors(parsed, parsed.small.replica.resources),
         )
     small = build_generator_deployment(parsed.small, "small")
-    router = build_router_deployment(parsed.router, small, large) if parsed.router else None
-    ingress = serve.deployment(GenerateIngress).options(
-        **parsed.ingress.serve_options(GENERATE_INGRESS)
-    )
-    return ingress.bind(small, large, parsed.model_dump(), router)
+    options = parsed.ingress.serve_options(GENERATE_INGRESS)
+    actors = _router_actors(parsed, parsed.ingress.resources)
+    if actors:
+        options["deployment_actors"] = actors
+    ingress = serve.deployment(GenerateIngress).options(**options)
+    return ingress.bind(small, large, parsed.model_dump())
+
+
+def _router_actors(parsed: GenerateArgs, resources: dict[str, float]) -> list[Any]:
+    """The length predictors' merge actor, declared by the deployment hosting the router."""
+    return [predictor_store(parsed.router, resources)] if parsed.router is not None else []
 
 
 app = build_generate_app

@@ -48,6 +48,7 @@ from carpool.schemas import (
     SearchRequest,
     WireRequest,
 )
+from pipelines.generate_handler import ROUTER_DEPLOYMENT, router_handle
 from pipelines.handler import PipelineHandler
 from pipelines.search import DocumentRoutes, retrieve_and_rerank
 
@@ -72,7 +73,8 @@ class RagArgs(StrictModel):
     generator_deployment: str = Field(
         default="router",
         description="Who answers: 'router' (model auto: small or large per request, with "
-        "cascades), or a generator deployment, 'small' or 'large'.",
+        "cascades; the generate app's ingress hosts it), or a generator deployment, 'small' "
+        "or 'large'.",
     )
     top_k: int = Field(default=8, ge=1, le=200, description="Chunks retrieved before reranking.")
     context_chunks: int = Field(
@@ -311,7 +313,7 @@ class RagHandler(PipelineHandler):
     def __init__(self, args: RagArgs, created: int | None = None) -> None:
         self.args = args
         self.model_name = args.model_name
-        self._handles: dict[str, DeploymentHandle] = {}
+        self._handles: dict[str, Any] = {}
         self.created = created or int(time.time())
 
     @classmethod
@@ -334,7 +336,13 @@ class RagHandler(PipelineHandler):
     def retriever(self) -> DeploymentHandle:
         return self._handle(self.args.retriever_deployment, self.args.search_app)
 
-    def _generator(self) -> DeploymentHandle:
+    def _generator(self) -> Any:
+        if self.args.generator_deployment == ROUTER_DEPLOYMENT:
+            # `auto` is no deployment: the generate app's ingress hosts the router.
+            key = f"{self.args.generate_app}/{ROUTER_DEPLOYMENT}"
+            if key not in self._handles:
+                self._handles[key] = router_handle(self.args.generate_app)
+            return self._handles[key]
         return self._handle(self.args.generator_deployment, self.args.generate_app)
 
     def _check_model(self, requested: str | None) -> None:

@@ -1,10 +1,12 @@
-"""The Router deployment: ``router.server.RouterServer`` in Serve.
+"""The router in Serve: ``router.server.RouterServer`` hosted by the generate app's ingress.
 
-Binds the router to the generate app's ``small`` and ``large`` generator handles, which
-``model: "auto"`` reaches through it. Serve-side only: its caps follow the live replicas of
-each model and of the router (``carpool.topology``), a replica's overload refusal is tried on
-another replica of the same model (``carpool.refusals``), its length predictor merges with the
-other router replicas' through a deployment-scoped actor, and its decisions go to Ray metrics.
+``HostedRouter`` binds the router to the generate app's ``small`` and ``large`` generator
+handles; ``model: "auto"`` is decided in the ingress replica that received the request, with
+no router deployment in between (docs/ingress.md, hops per URL). Serve-side only: its caps
+follow the live replicas of each model and of the hosting deployment (``carpool.topology``),
+a replica's overload refusal is tried on another replica of the same model
+(``carpool.refusals``), its length predictor merges with the other hosting replicas' through
+a deployment-scoped actor, and its decisions go to Ray metrics.
 """
 
 from __future__ import annotations
@@ -127,36 +129,37 @@ class _HandleClient:
 PREDICTOR_ACTOR = "length_predictor"
 
 
-class RouterDeployment(RouterServer):
-    """Serve shell: clients are the generate app's generator handles.
+class HostedRouter(RouterServer):
+    """The router inside a replica of the generate app's ingress, which answers ``auto``.
 
-    Its caps follow the live replicas of each model and of the router itself (polled from
-    Serve's controller), and its length predictor merges with the other router replicas'
-    through the deployment-scoped actor ``PREDICTOR_ACTOR``.
+    No router deployment and no Ray hop of its own: a request for ``auto`` is decided in the
+    process that received it, and reaches the chosen generator in one hop (none, for small,
+    when small's replica is the ingress). Clients are the generator handles (or, for the
+    replica's own model, a ``LocalHandle``). Its caps follow the live replicas of each model
+    and of the deployment hosting it (polled from Serve's controller), and its length
+    predictor merges with the other hosting replicas' through the deployment-scoped actor
+    ``PREDICTOR_ACTOR``, which the hosting deployment declares (``predictor_store``).
     """
 
-    def __init__(self, config: dict, small: Any, large: Any = None) -> None:
+    def __init__(self, config: RouterConfig | dict, small: Any, large: Any = None) -> None:
         from carpool.topology import current_replica, live_replicas
 
         where = current_replica()
-        app = where[0].split("/")[0] if where else ""
+        self._host = where[0] if where else ""
+        app = self._host.split("/")[0]
         self._deployments = {SMALL: f"{app}/small", LARGE: f"{app}/large"}
-        self._router = f"{app}/{ROUTER_NAME}"
         self._live = live_replicas()
-        if small is None:
-            # The small generator is this app's ingress (direct streaming) and binds this
-            # router, so the router finds it by name instead.
-            from ray import serve
-
-            small = serve.get_deployment_handle(SMALL, app_name=app)
         clients: dict[str, GeneratorClient] = {SMALL: _HandleClient(small, self._live.count)}
         if large is not None:
             clients[LARGE] = _HandleClient(large, self._live.count)
-        super().__init__(config, clients, caps=self._cap, share_predictor=True)
+        super().__init__(config, clients, caps=self._cap, share_predictor=where is not None)
         self._small = small
-        self.listeners.append(RayRouterMetrics())
         self._epoch: str | None = None
-        self._sync_task = asyncio.get_event_loop().create_task(self._sync_predictor_forever())
+        self._sync_task: asyncio.Task[None] | None = None
+        if where is not None:
+            self.listeners.append(RayRouterMetrics())
+            loop = asyncio.get_event_loop()
+            self._sync_task = loop.create_task(self._sync_predictor_forever())
 
     def _cap(self, model: str) -> int:
         deployment = self._deployments.get(model, "")
@@ -167,7 +170,7 @@ class RouterDeployment(RouterServer):
         return share_of_cap(
             per_replica or FALLBACK_PER_REPLICA,
             view.running if view else None,
-            self._live.count(self._router),
+            self._live.count(self._host) if self._host else None,
         )
 
     async def _sync_predictor_forever(self) -> None:
@@ -199,38 +202,28 @@ class RouterDeployment(RouterServer):
         small = await self._small.describe.remote()
         return {**small, "model": f"router ({self.config.policy})"}
 
+    def close(self) -> None:
+        if self._sync_task is not None:
+            self._sync_task.cancel()
+
 
 class SharedLengthPredictor(PredictorStore):
     """The deployment-scoped actor behind PREDICTOR_ACTOR (plain class; Ray wraps it)."""
 
 
-ROUTER_NAME = "router"
-
-
-def build_router_deployment(config: RouterConfig, small: Any, large: Any = None) -> Any:
+def predictor_store(config: RouterConfig, resources: dict[str, float] | None = None) -> Any:
+    """The deployment actor that merges the hosting replicas' length predictors; the
+    deployment that hosts the router lists it in ``deployment_actors``."""
     import ray
-    from ray import serve
     from ray.serve.config import DeploymentActorConfig
 
     snapshot = os.path.expanduser(config.predictor_snapshot) if config.predictor_snapshot else None
-    store = DeploymentActorConfig(
+    return DeploymentActorConfig(
         name=PREDICTOR_ACTOR,
         actor_class=ray.remote(SharedLengthPredictor),
         init_kwargs={
             "default_tokens": config.predictor_default_tokens,
             "snapshot_path": snapshot,
         },
-        actor_options={"num_cpus": 0.01, "resources": dict(config.resources)},
-    )
-    return (
-        serve.deployment(RouterDeployment)
-        .options(
-            name=ROUTER_NAME,
-            num_replicas=config.num_replicas,
-            max_ongoing_requests=1024,
-            max_queued_requests=1024,
-            ray_actor_options={"num_cpus": 0.05, "resources": dict(config.resources)},
-            deployment_actors=[store],
-        )
-        .bind(config.model_dump(), small, large)
+        actor_options={"num_cpus": 0.01, "resources": dict(resources or {})},
     )

@@ -88,29 +88,17 @@ class RouterConfig(StrictModel):
     max_in_flight_per_replica: dict[str, int] = Field(
         default_factory=dict,
         description="Requests a model may have in flight per live replica of it, from all "
-        "router replicas together; more wait in lanes, shortest first. The cap follows the "
+        "replicas hosting the router (the generate ingress) together; more wait in lanes, shortest first. The cap follows the "
         "model's live replica count, so autoscaling adds room. A model not listed gets its "
         "deployment's max_ongoing_requests (Serve's own per-replica limit): a backlog then "
         "waits at the replicas, where autoscaling counts it.",
-    )
-    num_replicas: int = Field(
-        default=2,
-        ge=1,
-        le=64,
-        description="Router replicas. Each holds its share of the in-flight caps; their "
-        "length predictors merge what they learn through a deployment-scoped Ray actor.",
-    )
-    resources: dict[str, float] = Field(
-        default_factory=dict,
-        description="Custom Ray resources each router replica asks for, to pin it to a node "
-        "type (serve-gpu.yaml: the head node, with the ingresses).",
     )
     predictor_sync_s: float = Field(
         default=5.0,
         gt=0,
         le=3600,
-        description="How often each router replica merges its length predictor's learning "
-        "with the others'.",
+        description="How often each replica hosting the router (the generate app's ingress) "
+        "merges its length predictor's learning with the others'.",
     )
     aging_tokens_per_s: float = Field(
         default=DEFAULT_AGING_TOKENS_PER_S,
@@ -131,7 +119,8 @@ class RouterConfig(StrictModel):
     predictor_snapshot: str | None = Field(
         default=None,
         description="Where the merged length predictor's state persists, on the node of the "
-        "actor that merges it (pin the router with resources to choose that node).",
+        "actor that merges it (the node of the generate app's ingress, which hosts the "
+        "router: pin the ingress with resources to choose that node).",
     )
 
     @model_validator(mode="before")
@@ -143,6 +132,15 @@ class RouterConfig(StrictModel):
                 "live replica of each model, so the cap grows as a model scales out); rename "
                 "it, e.g. max_in_flight_per_replica: {small: 16, large: 16}"
             )
+        for moved in ("num_replicas", "resources"):
+            if isinstance(data, dict) and moved in data:
+                raise ValueError(
+                    f"router.{moved}: the router runs inside the generate app's ingress "
+                    "replicas (no router deployment, no extra hop), so it has no replicas or "
+                    f"resources of its own; remove router.{moved} and set the ingress's "
+                    "(args.ingress.resources, or num_replicas of deployment generate_ingress "
+                    "under deployments:)"
+                )
         return data
 
     @model_validator(mode="after")
@@ -250,14 +248,14 @@ FALLBACK_PER_REPLICA = 16
 
 
 def share_of_cap(per_replica: int, model_replicas: int | None, router_replicas: int | None) -> int:
-    """This router replica's in-flight cap for one model: per-replica cap x the model's live
-    replicas, split between the live router replicas (at least 1: a model scaled to zero
+    """This router's in-flight cap for one model: per-replica cap x the model's live
+    replicas, split between the live replicas hosting a router (at least 1: a model scaled to zero
     still gets a request through, which is what makes Serve start a replica)."""
     total = per_replica * max(model_replicas or 1, 1)
     return max(1, math.ceil(total / max(router_replicas or 1, 1)))
 
 
-# (model) -> this router replica's in-flight cap for it now.
+# (model) -> this router's in-flight cap for it now.
 CapSource = Callable[[str], int]
 
 

@@ -282,6 +282,7 @@ def test_each_handler_attaches_with_its_apps_own_settings(monkeypatch: pytest.Mo
 
     from pipelines.embed import EmbedArgs, EmbedHandler
     from pipelines.generate import GenerateArgs, GenerateHandler
+    from pipelines.generate_handler import RouterHandle
     from pipelines.rag import RagArgs, RagHandler
     from pipelines.rank import RankArgs, RankHandler
 
@@ -311,8 +312,32 @@ def test_each_handler_attaches_with_its_apps_own_settings(monkeypatch: pytest.Mo
     gen_args = GenerateArgs.model_validate({"large": None})
     generator = GenerateHandler.attach("g", GenerateHandler("s", None, gen_args, "r").settings())
     assert set(generator.handles) == {"small", "auto"}  # no large configured: none looked up
-    assert generator.handles["auto"] == "g/router"
+    # auto is the router that g's ingress hosts, reached through its route_* methods.
+    assert isinstance(generator.handles["auto"], RouterHandle)
+    assert generator.handles["auto"].app == "g"
     assert ("g", "large") not in looked_up
 
     rag_args = RagArgs(model_name="docs-qa", top_k=3)
     assert RagHandler.attach("q", RagHandler(rag_args).settings()).args == rag_args
+
+
+def test_router_handle_maps_a_generators_calls_onto_the_hosting_ingress() -> None:
+    """`auto` from another app: generate/stream/describe reach the ingress's route_*."""
+    from pipelines.generate_handler import RouterHandle
+
+    class Ingress:
+        def __init__(self, opts: dict | None = None) -> None:
+            self.opts = opts or {}
+
+        def options(self, **kwargs: object) -> "Ingress":
+            return Ingress(kwargs)
+
+        def __getattr__(self, name: str) -> str:
+            return f"{name}{self.opts}"
+
+    router = RouterHandle("g", Ingress())
+    assert router.generate == "route_generate{}"
+    assert router.describe == "route_describe{}"
+    assert router.options(stream=True).stream == "route_stream{'stream': True}"
+    with pytest.raises(AttributeError):
+        _ = router.reconfigure  # only what a handler calls on a generator

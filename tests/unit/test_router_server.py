@@ -188,3 +188,11 @@ def test_config_rejects_unordered_lanes() -> None:
                 ]
             }
         )
+
+
+@pytest.mark.parametrize("field", ["num_replicas", "resources"])
+def test_router_fields_of_a_deployment_it_no_longer_has_are_refused_by_name(field: str) -> None:
+    """The router runs in the generate ingress: its old replica knobs are refused, not
+    silently ignored, and the message says where the setting went."""
+    with pytest.raises(ValueError, match=rf"router\.{field}.*generate_ingress"):
+        RouterConfig.model_validate({field: 2 if field == "num_replicas" else {"x": 1}})
