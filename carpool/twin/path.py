@@ -13,7 +13,7 @@ component's ceiling is then arithmetic::
 with the cores from the serve config and the cluster's shape (``Layout``): HAProxy's threads
 on every node, one core per ingress or router replica (a Python process runs one thread at a
 time under the GIL), and the head node's cores for all that serve-gpu.yaml pins there
-(ingresses, routers). ``carpool.twin.project`` and the planner's ``bottlenecks`` compare a mix
+(ingresses, the router in its host). ``carpool.twin.project`` and the planner's ``bottlenecks`` compare a mix
 with them; ``ServingPath.overheads`` makes them the whole-cluster twin's path stages (the
 head's shared cores are a bound there, not a stage). This module reads the benchmark's JSON
 file; it never imports the benchmarks package.
@@ -48,7 +48,7 @@ SYSTEMS: dict[str, tuple[tuple[str, ...], str]] = {
 # Serve's proxy is one Python process, so one core.
 HTTP_THREADS = {"haproxy": 4, "python-proxy": 1}
 HTTP_NAME = {"haproxy": "HTTP (HAProxy)", "python-proxy": "HTTP (Serve proxy)"}
-# cluster.yaml's head (m6i.2xlarge, CPU: 8): serve-gpu.yaml pins ingresses and routers there.
+# cluster.yaml's head (m6i.2xlarge, CPU: 8): serve-gpu.yaml pins the ingresses (the router runs in generate's) there.
 HEAD_CORES = 8.0
 # The deployment taking a kind's HTTP in its app, and the args flag under which the kind's
 # model replicas take it themselves (no ingress process). The names are pipelines' own
@@ -57,7 +57,6 @@ HEAD_CORES = 8.0
 INGRESS = {"embed": "embed_ingress", "rank": "rank_ingress", "generate": "generate_ingress"}
 DIRECT = {"embed": ("direct_ingress", "embedder"), "generate": ("direct_streaming", "small")}
 ROLE_OF = {"embed": "embedder", "rank": "ranker", "generate": "small"}  # finds a kind's app
-ROUTER_REPLICAS = 2  # router.server.RouterConfig.num_replicas's default
 # Which benchmark row each kind's HTTP and ingress costs are read from. The rerank row runs
 # at ~3 requests/s (the ranker's passes on 2 CPU cores are the limit), where each Serve
 # process's idle CPU (~9 ms/s: the idle embed_ingress and rank_ingress in the same rows) is
@@ -72,10 +71,9 @@ DERIVATION = {
     "ingress.rank": "stand-in: row embed's figure (row rerank, at ~3 requests/s, is mostly "
     "idle CPU)",
     "ingress.generate": "row completion (model small, 1 token)",
-    "router.generate": "row auto's router CPU less the routers' idle CPU (their CPU per second "
-    "in row completion, same Ray session, where model small skips the router, over row auto's "
-    "window), per answer; row auto's own figure counts the idle CPU too (9 requests/s there, "
-    "the large model on CPU the limit)",
+    "router.generate": "the router runs in the process that takes generate's HTTP (no process "
+    "of its own): row auto's path CPU per answer (all but model and engine) less row chat's, "
+    "the same request naming small; at least 0",
 }
 
 
@@ -96,9 +94,28 @@ def _row(rnd: Mapping[str, Any], system: str, row: str) -> Mapping[str, Any]:
     return body
 
 
+# CPU classes that compute the model (benchmarks.proc_cpu.MODEL_CLASSES); the rest is path.
+MODEL_CLASSES = ("model", "engine")
+
+
+def _path_ms(body: Mapping[str, Any]) -> float:
+    per = body["cpu_ms_per_req"]
+    return sum(float(v) for k, v in per.items() if k not in MODEL_CLASSES and k != "peer")
+
+
 def router_ms(rnd: Mapping[str, Any], system: str) -> float:
-    """The router's CPU-ms per ``auto`` request in one round, its idle CPU taken out."""
+    """The router's CPU-ms per ``auto`` request in one round.
+
+    A layout with a router process (before the router moved into the generate ingress): that
+    process's CPU in row auto, its idle CPU (row completion, where small skips it) taken
+    out. Without one: row auto's path CPU per answer less row chat's (the same request naming
+    small), at least 0.
+    """
     auto, idle = _row(rnd, system, "auto"), _row(rnd, system, "completion")
+    if auto["cpu_ms"].get("router", 0.0) <= 0.0:
+        if auto["answered"] < 1:
+            raise PathProfileError(f"{system} row auto has no answers; rerun it")
+        return max(0.0, _path_ms(auto) - _path_ms(_row(rnd, system, "chat")))
     idle_per_s = idle["cpu_ms"]["router"] / idle["window_s"]
     net = auto["cpu_ms"]["router"] - idle_per_s * auto["window_s"]
     if auto["answered"] < 1 or net <= 0:
@@ -226,12 +243,16 @@ def ingress_deployments(config: Mapping[str, Any]) -> dict[str, tuple[str, int]]
     return out
 
 
-def router_replicas(config: Mapping[str, Any]) -> int:
+def router_host(config: Mapping[str, Any]) -> tuple[str, int] | None:
+    """The deployment hosting the router (the one taking generate's HTTP: the router runs in
+    it, router.deployment.HostedRouter) and its replicas; None without a router."""
     for app in config.get("applications") or []:
-        router = (app.get("args") or {}).get("router")
-        if isinstance(router, dict):
-            return int(router.get("num_replicas", ROUTER_REPLICAS))
-    return 0
+        args = app.get("args") or {}
+        if isinstance(args.get("router"), dict) or (
+            isinstance(args.get(ROLE_OF["generate"]), dict) and "router" not in args
+        ):
+            return ingress_deployments({"applications": [app]}).get("generate")
+    return None
 
 
 def auto_rate(traffic: Traffic) -> float:
@@ -248,14 +269,14 @@ class Layout:
 
     nodes: int  # nodes with an HTTP process: the GPU nodes and the head (EveryNode)
     ingress: dict[str, tuple[str, int]]  # kind -> (deployment taking its HTTP, replicas)
-    routers: int
+    router: tuple[str, int] | None  # the deployment hosting the router, its replicas
 
 
 @dataclass(frozen=True)
 class Bound:
     """One component's ceiling on the traffic it serves: cores x 1000 / CPU-ms per request."""
 
-    component: str  # http, ingress, router or head
+    component: str  # http, ingress or head
     name: str  # as reported: "HTTP (HAProxy)", "ingress embed_ingress", "router", ...
     cores: float
     rate: float  # requests/s it serves at the traffic as given
@@ -318,7 +339,7 @@ class ServingPath:
     def layout(self, config: Mapping[str, Any], gpus: float, gpus_per_node: int) -> Layout:
         head_only = config.get("proxy_location") == "HeadOnly"
         nodes = 1 if head_only else max(1, math.ceil(gpus / gpus_per_node)) + 1
-        return Layout(nodes, ingress_deployments(config), router_replicas(config))
+        return Layout(nodes, ingress_deployments(config), router_host(config))
 
     def bounds(
         self, config: Mapping[str, Any], traffic: Traffic, gpus: float, gpus_per_node: int = 8
@@ -336,11 +357,13 @@ class ServingPath:
                 [(r, http[k]) for k, r in rates.items()],
             )
         ]
+        host = lay.router[0] if lay.router else None
         for name, replicas, kinds in _grouped(lay.ingress):
             parts = [(rates.get(k, 0.0), ingress[k]) for k in kinds]
-            out.append(_bound("ingress", f"ingress {name}", replicas, parts))
-        if lay.routers:
-            out.append(_bound("router", "router", lay.routers, [(auto, router)]))
+            rate = sum(r for r, _ in parts)
+            if name == host:  # the router's decisions run in these processes too
+                parts.append((auto, router))
+            out.append(_bound("ingress", f"ingress {name}", replicas, parts, rate))
         if self.head_cores:
             # Every ingress (not model replicas serving HTTP) and router replica, and the
             # head's HTTP process's share of the requests: all on the head's cores.
@@ -350,7 +373,8 @@ class ServingPath:
                 for k, (n, _) in lay.ingress.items()
                 if n == INGRESS[k]
             ]
-            parts.append((auto, router))
+            if host == INGRESS["generate"]:  # on the head with its ingress
+                parts.append((auto, router))
             # Counted in the mix's requests, each with its share of all the head does.
             total = sum(rates.values())
             out.append(_bound("head", "head node CPU", self.head_cores, parts, total))
@@ -367,9 +391,12 @@ class ServingPath:
         for name, replicas, kinds in _grouped(lay.ingress):
             ms = {k: self.ms["ingress"][k] for k in kinds}
             stages.append(PathStage(f"ingress {name}", replicas, ms))
-        router = self.ms["router"]["generate"]
+        # The router shares its host's processes; the sim gives it a stage of the host's
+        # size (its cost is small beside the ingress's: the gap is under its CPU-ms per auto).
+        router = max(self.ms["router"]["generate"], 1e-3)
+        replicas = lay.router[1] if lay.router else 1
         return Overheads(
-            path=tuple(stages), router_rps=1000.0 / router, router_replicas=max(1, lay.routers)
+            path=tuple(stages), router_rps=1000.0 / router, router_replicas=max(1, replicas)
         )
 
 

@@ -6,7 +6,7 @@ measured CPU per request (``carpool.twin.path``, the path profile): the HTTP lay
 threads on every node with ``proxy_location: EveryNode``, the head included; or Serve's Python
 proxy, one core per node, with ``--ingress python-proxy``), each pipeline's ingress replicas
 (one core each, as many as the serve config allows), the router's replicas for ``auto``, and
-the head node's cores, which serve-gpu.yaml's ingresses and routers share. The binding bound
+the head node's cores, which serve-gpu.yaml's ingresses (and the router inside generate's) share. The binding bound
 is the bottleneck. The mix is then run at that multiple through one whole-cluster twin, every
 kind together through the path's stages, for the goodput and p99 the table shows.
 
@@ -188,7 +188,7 @@ def main(argv: list[str] | None = None) -> int:
         "--head-cores",
         type=float,
         default=HEAD_CORES,
-        help="the head node's cores, shared by the ingresses and routers (default: "
+        help="the head node's cores, shared by the ingresses and the router they host (default: "
         "cluster.yaml's head, 8; 0: not a bound)",
     )
     args = p.parse_args(argv)

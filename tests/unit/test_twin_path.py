@@ -72,6 +72,24 @@ def test_extraction_reads_each_components_cpu_ms_per_request() -> None:
     assert doc["default_mode"] == "haproxy"
 
 
+def test_without_a_router_process_its_cost_is_auto_less_chat_path_cpu() -> None:
+    """The router runs in the generate ingress: row auto's path CPU per answer (all but model
+    and engine) less row chat's, the same request naming small."""
+    doc = bench()
+    rnd = doc["rounds"][0]
+    for system in ("carpool", "carpool-python-proxy"):
+        rnd[system]["chat"] = row(200, 20.0, haproxy=40, ingress=500, model=9000)
+        rnd[system]["auto"] = row(100, 20.0, haproxy=20, ingress=300, model=9000, engine=800)
+    ms = extract_path(doc, "x.json", "cmd")["modes"]["haproxy"]["cpu_ms_per_request"]
+    assert ms["router"]["generate"] == pytest.approx((0.2 + 3.0) - (0.2 + 2.5))
+    rnd["carpool"]["auto"] = row(100, 20.0, haproxy=20, ingress=200, model=9000)
+    ms = extract_path(doc, "x.json", "cmd")["modes"]["haproxy"]["cpu_ms_per_request"]
+    assert ms["router"]["generate"] == 0.0  # cheaper than chat: no negative cost
+    del rnd["carpool"]["chat"]
+    with pytest.raises(PathProfileError, match="'carpool' row 'chat'"):
+        extract_path(doc, "x.json", "cmd")
+
+
 def test_extraction_takes_the_median_over_rounds() -> None:
     three = bench()
     three["rounds"] += bench(2.0)["rounds"] + bench(3.0)["rounds"]
@@ -122,8 +140,9 @@ def test_each_ceiling_is_cores_times_1000_over_measured_cpu_ms() -> None:
     assert got["HTTP (HAProxy)"] == pytest.approx(9 * 4 * 1000 / 0.5)
     # serve-gpu.yaml: 4 embed ingress replicas (3 embeds per mix), 2 generate ingress replicas.
     assert got["ingress embed_ingress"] == pytest.approx(4 * 1000 / (3 * 2.0))
-    assert got["ingress generate_ingress"] == pytest.approx(2 * 1000 / 2.5)
-    assert got["router"] == pytest.approx(2 * 1000 / 4.0)  # serve-gpu.yaml's 2 routers
+    # The router runs in the generate ingress's 2 replicas: its 4 ms per auto joins theirs.
+    assert got["ingress generate_ingress"] == pytest.approx(2 * 1000 / (2.5 + 4.0))
+    assert "router" not in got  # no router process of its own
 
 
 def test_halving_the_measured_ingress_cpu_doubles_its_bound() -> None:
