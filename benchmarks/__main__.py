@@ -171,7 +171,7 @@ def build_parser() -> argparse.ArgumentParser:
         "--readme", action="store_true", help="also update benchmarks/README.md and report/*.png"
     )
 
-    from benchmarks import peers  # issue 13: its options and handler live in that module
+    from benchmarks.peers import cli as peers  # issue 13: its options and handler live there
 
     peers.add_arguments(sub.add_parser("peers", help="carpool vs Infinity and vLLM (bench-peers)"))
 
@@ -197,7 +197,8 @@ def _command_line() -> str:
 
 def cmd_suite(args: argparse.Namespace) -> int:
     from benchmarks import report
-    from benchmarks.suite import SuiteConfig, run_suite
+    from benchmarks.suite import run_suite
+    from benchmarks.suite_config import SuiteConfig
 
     values: dict[str, Any] = dict(
         systems=[s for s in args.systems.split(",") if s],
@@ -443,7 +444,7 @@ def cmd_offline(args: argparse.Namespace) -> int:
 
 def cmd_report(args: argparse.Namespace) -> int:
     from benchmarks import report
-    from benchmarks.suite import headline
+    from benchmarks.suite_figures import headline
 
     results = json.loads(args.results.read_text())
     if results.get("kind") != "suite":
@@ -496,7 +497,7 @@ def main(argv: list[str] | None = None) -> int:
         "offline": cmd_offline,
         "report": cmd_report,
         "trace-info": cmd_trace_info,
-        "peers": __import__("benchmarks.peers").peers.run,
+        "peers": __import__("benchmarks.peers.cli").peers.cli.run,
         "path": __import__("benchmarks.path").path.run,
     }
     return handlers[args.command](args)

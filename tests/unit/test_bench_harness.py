@@ -380,7 +380,7 @@ def test_search_steps_down_past_its_budget_until_something_passes() -> None:
 
 
 def _windows(values: list[float], key: str = "items_per_s") -> dict:
-    from benchmarks.suite import median_spread
+    from benchmarks.suite_figures import median_spread
 
     windows = [
         {key: v, "refused": 0, "lost": 0, "passed_slo_ms": v > 0, "passed_slowdown": v > 0}
@@ -418,7 +418,7 @@ def _paired_results() -> dict:
 
 
 def test_round_orders_rotate_so_each_system_leads_once() -> None:
-    from benchmarks.suite import round_orders
+    from benchmarks.suite_figures import round_orders
 
     assert round_orders(["A", "B", "C"], 3) == [["A", "B", "C"], ["B", "C", "A"], ["C", "A", "B"]]
     assert round_orders(["A", "B"], 3) == [["A", "B"], ["B", "A"], ["A", "B"]]
@@ -426,7 +426,7 @@ def test_round_orders_rotate_so_each_system_leads_once() -> None:
 
 
 def test_median_spread_and_paired_ratios() -> None:
-    from benchmarks.suite import median_spread, paired_ratios
+    from benchmarks.suite_figures import median_spread, paired_ratios
 
     m = median_spread([3.0, 1.0, None, math.nan, 2.0])
     assert (m["median"], m["min"], m["max"]) == (2.0, 1.0, 3.0)
@@ -437,7 +437,7 @@ def test_median_spread_and_paired_ratios() -> None:
 
 
 def test_slowdown_is_latency_over_the_same_requests_idle_latency() -> None:
-    from benchmarks.suite import slowdowns
+    from benchmarks.suite_figures import slowdowns
 
     records = [_rec(0, 0.0, 0.2), _rec(1, 1.0, 1.05), _rec(2, 2.0, 2.1, status=503)]
     keys = [7, 3, 7]  # records 0 and 2 are pool request 7, record 1 is pool request 3
@@ -446,7 +446,7 @@ def test_slowdown_is_latency_over_the_same_requests_idle_latency() -> None:
 
 
 def test_window_duration_is_requests_or_seconds_whichever_first() -> None:
-    from benchmarks.suite import window_duration
+    from benchmarks.suite_figures import window_duration
 
     assert window_duration(10.0, 300, 60.0) == 30.0
     assert window_duration(2.0, 300, 60.0) == 60.0
@@ -454,7 +454,7 @@ def test_window_duration_is_requests_or_seconds_whichever_first() -> None:
 
 def test_headline_keys_ratios_and_met_or_missed() -> None:
     from benchmarks.report import headline_markdown, suite_markdown
-    from benchmarks.suite import headline
+    from benchmarks.suite_figures import headline
 
     results = _paired_results()
     results["headline"] = head = headline(results)
@@ -496,7 +496,7 @@ def test_headline_keys_ratios_and_met_or_missed() -> None:
 
 
 def test_goodput_divides_by_the_capacity_measured_in_its_own_round() -> None:
-    from benchmarks.suite import headline
+    from benchmarks.suite_figures import headline
 
     results = _paired_results()
     # The saturation phase (40, 36, 44) ran long before; the goodput phase's own capacity
@@ -509,7 +509,7 @@ def test_goodput_divides_by_the_capacity_measured_in_its_own_round() -> None:
 
 
 def test_slowdown_ratio_is_undefined_when_no_system_held_the_bound() -> None:
-    from benchmarks.suite import headline
+    from benchmarks.suite_figures import headline
 
     results = _paired_results()
     for system in ("carpool", "naive"):
@@ -524,7 +524,7 @@ def test_slowdown_ratio_is_undefined_when_no_system_held_the_bound() -> None:
 
 def test_report_writes_headline_json_beside_the_readme(tmp_path: Path) -> None:
     from benchmarks.report import write_readme
-    from benchmarks.suite import headline
+    from benchmarks.suite_figures import headline
 
     results = _paired_results()
     results["headline"] = headline(results)
@@ -664,7 +664,7 @@ applications:
 
 def test_a_baseline_that_meets_the_slo_at_no_rate_makes_the_ratio_undefined_not_missed() -> None:
     from benchmarks.report import headline_markdown
-    from benchmarks.suite import headline
+    from benchmarks.suite_figures import headline
 
     results = _paired_results()
     results["slo"]["naive"]["slo_ms"] = _windows([0, 0, 0])
@@ -688,7 +688,7 @@ def test_a_baseline_that_meets_the_slo_at_no_rate_makes_the_ratio_undefined_not_
 
 def test_a_searched_rate_carpool_never_held_gives_no_ratio_but_a_held_lower_rate_does() -> None:
     from benchmarks.report import headline_markdown
-    from benchmarks.suite import headline
+    from benchmarks.suite_figures import headline
 
     results = _paired_results()
     results["slo"]["carpool"]["slo_ms"]["rate"] = 5.9

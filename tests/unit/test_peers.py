@@ -12,7 +12,21 @@ from pathlib import Path
 
 import pytest
 
-from benchmarks import peers
+from benchmarks.peers import (
+    install,
+    layouts,
+    measure,
+    mixed,
+    process,
+    report,
+    settings,
+    stats,
+    stream,
+    systems,
+)
+from benchmarks.peers.embed import summarise_embed
+from benchmarks.peers.generate import generate_result
+from benchmarks.targets import EmbeddingsTarget
 from benchmarks.workloads import GenerateRequest
 from carpool.venvs import MARKER, install_plan, is_installed
 
@@ -20,7 +34,7 @@ VENV = Path("/peers/vllm")
 
 
 def test_install_plan_takes_torch_first_and_removes_broken_wheels() -> None:
-    spec = peers.INSTALLS["vllm"]
+    spec = install.INSTALLS["vllm"]
     plan = install_plan(spec, VENV, python="python3.11")
     assert plan[0] == ["python3.11", "-m", "venv", str(VENV)]
     pip = [str(VENV / "bin" / "python"), "-m", "pip"]
@@ -32,7 +46,7 @@ def test_install_plan_takes_torch_first_and_removes_broken_wheels() -> None:
 
 
 def test_infinity_plan_has_no_torch_first_and_pins_exactly() -> None:
-    spec = peers.INSTALLS["infinity"]
+    spec = install.INSTALLS["infinity"]
     plan = install_plan(spec, Path("/p/inf"), python="py")
     flat = [" ".join(cmd) for cmd in plan]
     assert not any("torch==" in c for c in flat)
@@ -42,7 +56,7 @@ def test_infinity_plan_has_no_torch_first_and_pins_exactly() -> None:
 
 
 def test_marker_decides_whether_to_reinstall(tmp_path: Path) -> None:
-    spec = peers.INSTALLS["vllm"]
+    spec = install.INSTALLS["vllm"]
     venv = tmp_path / "vllm"
     assert not is_installed(spec, venv)
     venv.mkdir()
@@ -53,35 +67,35 @@ def test_marker_decides_whether_to_reinstall(tmp_path: Path) -> None:
 
 
 def test_infinity_command_line() -> None:
-    cmd = peers.infinity_command(Path("/v"), Path("/m"), "optimum", 8207)
+    cmd = install.infinity_command(Path("/v"), Path("/m"), "optimum", 8207)
     assert cmd[:2] == ["/v/bin/infinity_emb", "v2"]
     text = " ".join(cmd)
     assert "--model-id /m --engine optimum --device cpu" in text
     assert "--host 127.0.0.1 --port 8207 --url-prefix /v1" in text
     with pytest.raises(ValueError, match="use 'torch' or 'optimum'"):
-        peers.infinity_command(Path("/v"), Path("/m"), "onnx", 8207)
+        install.infinity_command(Path("/v"), Path("/m"), "onnx", 8207)
 
 
 def test_vllm_command_line_and_env() -> None:
-    cmd = peers.vllm_command(Path("/v"), Path("/models/SmolLM2"), 8208)
+    cmd = install.vllm_command(Path("/v"), Path("/models/SmolLM2"), 8208)
     # the server module, not the `vllm` CLI (it looks up a distribution named "vllm")
     assert cmd[:3] == ["/v/bin/python", "-m", "vllm.entrypoints.openai.api_server"]
     text = " ".join(cmd)
     assert "--model /models/SmolLM2 --dtype float32" in text
-    assert f"--served-model-name {peers.SERVED_MODEL}" in text
+    assert f"--served-model-name {settings.SERVED_MODEL}" in text
     assert "--max-model-len 2048" in text
-    assert peers.vllm_env(4) == {"VLLM_CPU_KVCACHE_SPACE": "4", "VLLM_NO_USAGE_STATS": "1"}
-    assert peers.vllm_env(2, "0")["VLLM_CPU_OMP_THREADS_BIND"] == "0"
-    allcores = peers.vllm_env(4, **peers.VLLM_VARIANTS["vllm-allcores"])
+    assert install.vllm_env(4) == {"VLLM_CPU_KVCACHE_SPACE": "4", "VLLM_NO_USAGE_STATS": "1"}
+    assert install.vllm_env(2, "0")["VLLM_CPU_OMP_THREADS_BIND"] == "0"
+    allcores = install.vllm_env(4, **install.VLLM_VARIANTS["vllm-allcores"])
     assert allcores["VLLM_CPU_NUM_OF_RESERVED_CPU"] == "0"
     assert "VLLM_CPU_OMP_THREADS_BIND" not in allcores
-    uni2 = peers.vllm_env(4, **peers.VLLM_VARIANTS["vllm-uni2"])
+    uni2 = install.vllm_env(4, **install.VLLM_VARIANTS["vllm-uni2"])
     assert (uni2["OMP_NUM_THREADS"], uni2["VLLM_ENABLE_V1_MULTIPROCESSING"]) == ("2", "0")
 
 
 def test_onnx_export_plan_links_the_original_and_puts_the_graph_at_the_top() -> None:
     model = Path(__file__).parent  # any existing folder stands for the model
-    plan = peers.onnx_export_plan(Path("/v"), model, Path("/cache/m-onnx"))
+    plan = install.onnx_export_plan(Path("/v"), model, Path("/cache/m-onnx"))
     links = [c for c in plan if c[0] == "ln"]
     assert len(links) == len(list(model.iterdir()))
     export = next(c for c in plan if c[0].endswith("optimum-cli"))
@@ -90,7 +104,7 @@ def test_onnx_export_plan_links_the_original_and_puts_the_graph_at_the_top() -> 
 
 
 def test_ports_stay_in_the_harness_range() -> None:
-    assert all(8200 <= port <= 8299 for port in peers.PORTS.values())
+    assert all(8200 <= port <= 8299 for port in settings.PORTS.values())
 
 
 # --- streams -------------------------------------------------------------------------------
@@ -101,43 +115,43 @@ def sse(obj: object) -> str:
 
 
 def test_parse_sse_lines() -> None:
-    assert peers.parse_sse_line(sse({"a": 1})) == {"a": 1}
-    assert peers.parse_sse_line("data: [DONE]") is None
-    assert peers.parse_sse_line(": keep-alive") is None
-    assert peers.parse_sse_line("data: {not json") is None
-    assert peers.parse_sse_line("data: [1, 2]") is None
+    assert stream.parse_sse_line(sse({"a": 1})) == {"a": 1}
+    assert stream.parse_sse_line("data: [DONE]") is None
+    assert stream.parse_sse_line(": keep-alive") is None
+    assert stream.parse_sse_line("data: {not json") is None
+    assert stream.parse_sse_line("data: [1, 2]") is None
 
 
 def test_chunk_text_for_completions_and_chat() -> None:
-    assert peers.chunk_text({"choices": [{"index": 0, "text": "Hi"}]}) == "Hi"
-    assert peers.chunk_text({"choices": [{"delta": {"content": " there"}}]}) == " there"
+    assert stream.chunk_text({"choices": [{"index": 0, "text": "Hi"}]}) == "Hi"
+    assert stream.chunk_text({"choices": [{"delta": {"content": " there"}}]}) == " there"
     # the opening role chunk and the usage chunk carry no token
-    assert peers.chunk_text({"choices": [{"delta": {"role": "assistant", "content": ""}}]}) == ""
-    assert peers.chunk_text({"choices": [], "usage": {"completion_tokens": 3}}) == ""
-    assert peers.chunk_usage_tokens({"choices": [], "usage": {"completion_tokens": 3}}) == 3
-    assert peers.chunk_usage_tokens({"choices": [], "usage": None}) is None
+    assert stream.chunk_text({"choices": [{"delta": {"role": "assistant", "content": ""}}]}) == ""
+    assert stream.chunk_text({"choices": [], "usage": {"completion_tokens": 3}}) == ""
+    assert stream.chunk_usage_tokens({"choices": [], "usage": {"completion_tokens": 3}}) == 3
+    assert stream.chunk_usage_tokens({"choices": [], "usage": None}) is None
 
 
 def test_ttft_and_tpot_from_chunk_times() -> None:
-    record = peers.StreamRecord(0, scheduled=1.0, started=1.1, finished=3.0, status=200)
+    record = stream.StreamRecord(0, scheduled=1.0, started=1.1, finished=3.0, status=200)
     record.first_token, record.last_token, record.tokens = 1.5, 2.5, 11
     assert record.ttft == pytest.approx(0.5)  # from the scheduled arrival: queueing counts
     assert record.tpot == pytest.approx(0.1)  # 1 s over the 10 tokens after the first
-    assert peers.tpot(1.0, 1.0, 1) is None  # one token has no inter-token time
-    assert peers.tpot(None, None, 5) is None
-    assert peers.StreamRecord(0, 0.0, 0.0, 1.0, 200).ttft is None
+    assert stream.tpot(1.0, 1.0, 1) is None  # one token has no inter-token time
+    assert stream.tpot(None, None, 5) is None
+    assert stream.StreamRecord(0, 0.0, 0.0, 1.0, 200).ttft is None
 
 
 def test_streaming_target_bodies() -> None:
     request = GenerateRequest("hello world", 32, 34)
-    completions = peers.StreamingTarget("x", "/generate", "completions")
+    completions = stream.StreamingTarget("x", "/generate", "completions")
     body = json.loads(completions.encode(request))
     assert completions.path == "/generate/v1/completions"
     assert body["prompt"] == "hello world" and body["max_tokens"] == 32
     assert body["stream"] and body["stream_options"] == {"include_usage": True}
     assert body["ignore_eos"] and body["temperature"] == 0
-    assert body["model"] == peers.SERVED_MODEL
-    chat = peers.StreamingTarget("x", "", "chat")
+    assert body["model"] == settings.SERVED_MODEL
+    chat = stream.StreamingTarget("x", "", "chat")
     body = json.loads(chat.encode(request))
     assert chat.path == "/v1/chat/completions"
     assert body["messages"] == [{"role": "user", "content": "hello world"}]
@@ -146,9 +160,9 @@ def test_streaming_target_bodies() -> None:
     )
     assert chat.decode(request, content.encode()).tokens == 7
     with pytest.raises(ValueError, match="'completions' or 'chat'"):
-        peers.StreamingTarget("x", "", "embeddings")
+        stream.StreamingTarget("x", "", "embeddings")
     # --no-stream: the same request answered whole, its tokens from the JSON usage
-    whole = peers.StreamingTarget("x", "/generate", "completions", stream=False)
+    whole = stream.StreamingTarget("x", "/generate", "completions", stream=False)
     body = json.loads(whole.encode(request))
     assert body["stream"] is False and "stream_options" not in body
     assert body["ignore_eos"] and body["max_tokens"] == 32
@@ -159,10 +173,10 @@ def test_streaming_target_bodies() -> None:
 def test_stream_summary_percentiles() -> None:
     records = []
     for i in range(10):
-        r = peers.StreamRecord(i, float(i), float(i), i + 2.0, 200, items=1, tokens=5)
+        r = stream.StreamRecord(i, float(i), float(i), i + 2.0, 200, items=1, tokens=5)
         r.first_token, r.last_token = i + 0.1 * (i + 1), i + 0.1 * (i + 1) + 0.4
         records.append(r)
-    s = peers.stream_summary(records, None)
+    s = stream.stream_summary(records, None)
     assert s["output_tokens"] == 50
     assert s["ttft_ms"]["p50"] == pytest.approx(550.0)
     assert s["tpot_ms"]["p99"] == pytest.approx(100.0)
@@ -172,12 +186,12 @@ def test_stream_summary_percentiles() -> None:
 
 
 def test_median_spread_and_ratios() -> None:
-    assert peers.median_spread([3.0, 1.0, 2.0]) == {"median": 2.0, "min": 1.0, "max": 3.0, "n": 3}
-    assert peers.median_spread([math.nan])["n"] == 0
-    assert math.isnan(peers.ratio(1.0, 0.0))
+    assert stats.median_spread([3.0, 1.0, 2.0]) == {"median": 2.0, "min": 1.0, "max": 3.0, "n": 3}
+    assert stats.median_spread([math.nan])["n"] == 0
+    assert math.isnan(stats.ratio(1.0, 0.0))
     rounds = [{"carpool": 20.0, "peer": 10.0}, {"carpool": 30.0, "peer": 10.0}, {"carpool": 5.0}]
     # paired per round; a round missing one system does not count
-    assert peers.paired_ratios(rounds, "carpool", "peer") == {
+    assert stats.paired_ratios(rounds, "carpool", "peer") == {
         "median": 2.5,
         "min": 2.0,
         "max": 3.0,
@@ -198,7 +212,7 @@ def test_summarise_embed_pairs_rounds() -> None:
         {"carpool": embed_visit(60, 30), "infinity-torch": embed_visit(20, 15)},
         {"carpool": embed_visit(50, None), "infinity-torch": {"error": "boom"}},
     ]
-    s = peers.summarise_embed(rounds)
+    s = summarise_embed(rounds)
     assert s["closed_items_per_s"]["carpool"]["median"] == 50
     assert s["ratios"]["carpool/infinity-torch closed-32"]["median"] == 2.5
     assert s["ratios"]["carpool/infinity-torch p99<=500ms"]["median"] == 2.5
@@ -206,13 +220,13 @@ def test_summarise_embed_pairs_rounds() -> None:
 
 def test_report_block_is_replaced_and_hand_text_kept(tmp_path: Path) -> None:
     path = tmp_path / "PEERS.md"
-    path.write_text(f"# Title\n\nreading\n\n{peers.BEGIN}\nold\n{peers.END}\n\nafter\n")
+    path.write_text(f"# Title\n\nreading\n\n{settings.BEGIN}\nold\n{settings.END}\n\nafter\n")
     rounds = [{"carpool": embed_visit(40, 30), "infinity-torch": embed_visit(20, 10)}]
     results = {
         "command": "x",
-        "embed": {"summary": peers.summarise_embed(rounds), "rounds": rounds, "search_rates": {}},
+        "embed": {"summary": summarise_embed(rounds), "rounds": rounds, "search_rates": {}},
     }
-    peers.write_report(results, path)
+    report.write_report(results, path)
     text = path.read_text()
     assert "reading" in text and "after" in text and "old" not in text
     assert "| carpool/infinity-torch closed-32 | 2.00 (2.00-2.00) |" in text
@@ -226,12 +240,12 @@ def test_report_shows_the_rate_found_and_each_confirmations_p99(tmp_path: Path) 
     ]
     results = {
         "embed": {
-            "summary": peers.summarise_embed(rounds),
+            "summary": summarise_embed(rounds),
             "rounds": rounds,
             "search_rates": {"carpool": 4.710019973780311},
         }
     }
-    peers.write_report(results, path)
+    report.write_report(results, path)
     rows = {line.split(" | ")[0]: line for line in path.read_text().splitlines()}
     assert rows["| carpool"].endswith("| 4.71 | 480, 612 |")
     assert rows["| infinity-torch"].endswith("| n/a | n/a |")
@@ -242,13 +256,13 @@ def test_report_shows_the_rate_found_and_each_confirmations_p99(tmp_path: Path) 
     [(10.0, 30.0), (4.5, 300 / 4.5), (1.0, 120.0), (100.0, 20.0)],
 )
 def test_search_probes_aim_at_the_confirmations_request_count(rate: float, seconds: float) -> None:
-    assert peers.probe_span(rate, 300, 20.0, 120.0) == pytest.approx(seconds)
+    assert measure.probe_span(rate, 300, 20.0, 120.0) == pytest.approx(seconds)
 
 
 def test_merge_keeps_the_other_phase() -> None:
     old = {"embed": {"a": 1}, "generate": {"b": 2}, "command": "old"}
     new = {"generate": {"b": 3}, "command": "new"}
-    assert peers.merge_results(old, new) == {
+    assert report.merge_results(old, new) == {
         "embed": {"a": 1},
         "generate": {"b": 3},
         "command": "new",
@@ -276,7 +290,7 @@ def test_the_streaming_client_times_each_chunk_as_it_arrives() -> None:
         )
         return resp
 
-    async def go() -> peers.StreamRecord:
+    async def go() -> stream.StreamRecord:
         app = web.Application()
         app.router.add_post("/v1/completions", handler)
         runner = web.AppRunner(app)
@@ -284,10 +298,10 @@ def test_the_streaming_client_times_each_chunk_as_it_arrives() -> None:
         site = web.TCPSite(runner, "127.0.0.1", 0)
         await site.start()
         port = site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
-        target = peers.StreamingTarget("x", "")
+        target = stream.StreamingTarget("x", "")
         request = GenerateRequest("hi", 2, 2)
         try:
-            async with peers.PeersLoadGenerator(f"http://127.0.0.1:{port}", progress=False) as gen:
+            async with stream.PeersLoadGenerator(f"http://127.0.0.1:{port}", progress=False) as gen:
                 ep = Endpoint("x", target, [request])
                 return await gen.send(ep, request, target.encode(request), 0, 0.0, 0.0)
         finally:
@@ -308,7 +322,7 @@ def test_a_generate_result_without_the_trace_phase() -> None:
     request = GenerateRequest(prompt="hi", max_tokens=8, est_tokens=9)
     workload = Workload("generate-mixed", [request], description={"kind": "generate"})
     args = argparse.Namespace(concurrency=[16], no_trace=True, duration=60.0)
-    out = peers.generate_result(workload, None, {}, [], args)
+    out = generate_result(workload, None, {}, [], args)
     assert out["trace"] is None
     assert out["workload"] == {"kind": "generate"}
 
@@ -333,7 +347,7 @@ def test_summarise_mixed_pairs_rounds_and_skips_failed_visits() -> None:
         {"carpool": mixed_visit(40, 90), "infinity+vllm": mixed_visit(40, 100)},
         {"carpool": mixed_visit(50, 80), "infinity+vllm": {"error": "vllm exited"}},
     ]
-    s = peers.summarise_mixed(rounds)
+    s = mixed.summarise_mixed(rounds)
     assert s["systems"]["carpool"]["embed_items_per_s"]["median"] == 50
     assert s["systems"]["infinity+vllm"]["generate_tokens_per_s"]["n"] == 2
     embed = s["ratios"]["carpool/infinity+vllm embed_items_per_s"]
@@ -349,12 +363,12 @@ def test_mixed_report_table(tmp_path: Path) -> None:
         "command": "x",
         "mixed": {
             "clients": {"embed": 32, "generate": 16},
-            "summary": peers.summarise_mixed(rounds),
+            "summary": mixed.summarise_mixed(rounds),
             "rounds": rounds,
         },
     }
     path = tmp_path / "PEERS.md"
-    peers.write_report(results, path)
+    report.write_report(results, path)
     text = path.read_text()
     assert "32 embed-mixed clients and 16 streaming generate-mixed clients" in text
     assert "| carpool | 60.0 (60.0-60.0) | 900 (900-900) | 100.0 (100.0-100.0) |" in text
@@ -372,8 +386,8 @@ def test_carpool_layouts_change_only_their_thread_knobs() -> None:
     shipped = load_config()
 
     def knobs(config: dict) -> tuple[dict, dict]:
-        embedder = peers.app_entry(config, "embed")["args"]["embedder"]
-        small = peers.app_entry(config, "generate")["args"]["small"]
+        embedder = layouts.app_entry(config, "embed")["args"]["embedder"]
+        small = layouts.app_entry(config, "generate")["args"]["small"]
         return embedder["replica"], small["vllm"]
 
     replica, vllm = knobs(shipped)
@@ -381,39 +395,27 @@ def test_carpool_layouts_change_only_their_thread_knobs() -> None:
     assert "cpu_reserved_cores" not in vllm  # vLLM's own binding keeps a core free
     assert "cpu_executor" not in vllm  # auto: the model computes in the engine core
 
-    reserved = copy.deepcopy(shipped)
-    peers.reserved_layout(reserved)
-    assert knobs(reserved)[0]["thread_policy"] == "reserved"
-    assert knobs(reserved)[1].pop("cpu_executor") == "mp"
-    knobs(reserved)[0]["thread_policy"] = "idle_cores"
-    assert reserved == shipped
-
-    worker = copy.deepcopy(shipped)
-    peers.worker_process_layout(worker)
-    assert knobs(worker)[1].pop("cpu_executor") == "mp"
-    assert worker == shipped
-
     allcores = copy.deepcopy(shipped)
-    peers.allcores_layout(allcores)
+    layouts.allcores_layout(allcores)
     assert knobs(allcores)[1]["cpu_reserved_cores"] == 0
     del knobs(allcores)[1]["cpu_reserved_cores"]
     assert allcores == shipped
 
     # The streaming variants change only how /generate's HTTP is served.
     def streaming(config: dict) -> tuple[bool, set[str]]:
-        entry = peers.app_entry(config, "generate")
+        entry = layouts.app_entry(config, "generate")
         return entry["args"]["direct_streaming"], {d["name"] for d in entry["deployments"]}
 
     assert streaming(shipped)[0] is True  # serve.yaml streams directly
     for name, direct in (("carpool-direct", True), ("carpool-ingress", False)):
         variant = copy.deepcopy(shipped)
-        layout = peers.CARPOOL_LAYOUTS[name]
+        layout = layouts.CARPOOL_LAYOUTS[name]
         assert layout is not None
         layout(variant)
         is_direct, deployments = streaming(variant)
         assert is_direct is direct
         assert ("generate_ingress" in deployments) is (not direct)
-        generate = peers.app_entry(variant, "generate")
+        generate = layouts.app_entry(variant, "generate")
         generate["args"]["direct_streaming"] = True
         generate["deployments"] = [
             d for d in generate["deployments"] if d["name"] != "generate_ingress"
@@ -422,10 +424,10 @@ def test_carpool_layouts_change_only_their_thread_knobs() -> None:
 
     # The stream-interval variant changes only the small generator's stream_interval_ms.
     def small_user_config(config: dict) -> dict:
-        return peers.small_deployment(config)["user_config"]
+        return layouts.small_deployment(config)["user_config"]
 
     held = copy.deepcopy(shipped)
-    layout = peers.CARPOOL_LAYOUTS["carpool-stream1s"]
+    layout = layouts.CARPOOL_LAYOUTS["carpool-stream1s"]
     assert layout is not None
     layout(held)
     assert small_user_config(held)["stream_interval_ms"] == 1000.0
@@ -436,8 +438,8 @@ def test_carpool_layouts_change_only_their_thread_knobs() -> None:
 
     # The two-thread variant changes only the small generator's executor and thread count.
     two = copy.deepcopy(shipped)
-    peers.two_thread_layout(two)
-    vllm_two = peers.app_entry(two, "generate")["args"]["small"]["vllm"]
+    layouts.two_thread_layout(two)
+    vllm_two = layouts.app_entry(two, "generate")["args"]["small"]["vllm"]
     assert (vllm_two.pop("cpu_executor"), vllm_two.pop("cpu_threads")) == ("uni", 2)
     assert two == shipped
 
@@ -449,13 +451,12 @@ def test_carpool_layouts_change_only_their_thread_knobs() -> None:
         ("carpool-embed-nice10", {"cpu_niceness": 10}),
         ("carpool-embed-idle", {"cpu_scheduling": "idle"}),
         ("carpool-embed-core1", {"cpu_cores": [1]}),
-        ("carpool-embed-core1-nice", {"cpu_cores": [1], "cpu_niceness": 4}),
     ):
         lowered = copy.deepcopy(shipped)
-        layout = peers.CARPOOL_LAYOUTS[name]
+        layout = layouts.CARPOOL_LAYOUTS[name]
         assert layout is not None
         layout(lowered)
-        embedder = peers.app_entry(lowered, "embed")["args"]["embedder"]
+        embedder = layouts.app_entry(lowered, "embed")["args"]["embedder"]
         for field, value in fields.items():
             assert getattr(EmbedderConfig.model_validate(embedder).replica, field) == value
             assert embedder["replica"].pop(field) == value
@@ -463,35 +464,35 @@ def test_carpool_layouts_change_only_their_thread_knobs() -> None:
 
     # vLLM's own layout with the embedder on core 1: the two changes above, together.
     split = copy.deepcopy(shipped)
-    peers.worker_process_embed_core1_layout(split)
+    layouts.worker_process_embed_core1_layout(split)
     assert knobs(split)[1].pop("cpu_executor") == "mp"
     assert knobs(split)[0].pop("cpu_cores") == [1]
     assert split == shipped
 
     # Two small engines: two replicas, each reserving half the CPU, nothing else.
     engines = copy.deepcopy(shipped)
-    peers.two_engine_layout(engines)
-    small_args = peers.app_entry(engines, "generate")["args"]["small"]
-    shipped_cpus = peers.app_entry(shipped, "generate")["args"]["small"]["replica"]["num_cpus"]
+    layouts.two_engine_layout(engines)
+    small_args = layouts.app_entry(engines, "generate")["args"]["small"]
+    shipped_cpus = layouts.app_entry(shipped, "generate")["args"]["small"]["replica"]["num_cpus"]
     assert small_args["replica"]["num_cpus"] == shipped_cpus / 2
     small_args["replica"]["num_cpus"] = shipped_cpus
-    assert peers.small_deployment(engines).pop("num_replicas") == 2
+    assert layouts.small_deployment(engines).pop("num_replicas") == 2
     assert engines == shipped
 
     # Two engine threads with the embedder at nice 10: the two-thread and nice-10 changes.
     team = copy.deepcopy(shipped)
-    peers.two_thread_embed_nice10_layout(team)
+    layouts.two_thread_embed_nice10_layout(team)
     assert (knobs(team)[1].pop("cpu_executor"), knobs(team)[1].pop("cpu_threads")) == ("uni", 2)
     assert knobs(team)[0].pop("cpu_niceness") == 10
     assert team == shipped
 
     # 128 sequences: the engine's and the replica's batch, and the Serve queue to hold them.
     wide = copy.deepcopy(shipped)
-    peers.seqs128_layout(wide)
+    layouts.seqs128_layout(wide)
     assert knobs(wide)[1]["max_num_seqs"] == 128
     knobs(wide)[1]["max_num_seqs"] = knobs(shipped)[1]["max_num_seqs"]
-    wide_small = peers.small_deployment(wide)
-    shipped_small = peers.small_deployment(shipped)
+    wide_small = layouts.small_deployment(wide)
+    shipped_small = layouts.small_deployment(shipped)
     assert wide_small["user_config"]["max_num_seqs"] == 128
     wide_small["user_config"]["max_num_seqs"] = shipped_small["user_config"]["max_num_seqs"]
     assert wide_small["max_ongoing_requests"] == wide_small["max_queued_requests"] == 384
@@ -499,7 +500,7 @@ def test_carpool_layouts_change_only_their_thread_knobs() -> None:
         wide_small[field] = shipped_small[field]
     assert wide == shipped
 
-    assert set(peers.CARPOOL_LAYOUTS) == {
+    assert set(layouts.CARPOOL_LAYOUTS) == {
         "carpool",
         "carpool-seqs128",
         "carpool-uni2-embed-nice10",
@@ -509,35 +510,28 @@ def test_carpool_layouts_change_only_their_thread_knobs() -> None:
         "carpool-embed-nice10",
         "carpool-embed-idle",
         "carpool-embed-core1",
-        "carpool-embed-core1-nice",
         "carpool-uni2",
         "carpool-uni2-haproxy",
         "carpool-stream1s",
-        "carpool-reserved",
         "carpool-allcores",
-        "carpool-mp",
         "carpool-direct",
         "carpool-ingress",
-        "carpool-harness-session",
         "carpool-haproxy",
         "carpool-throughput",
     }
     # Variants in how Ray starts are serve.yaml itself, with Ray's environment changed.
-    assert set(peers.CARPOOL_RAY_ENV) <= set(peers.CARPOOL_LAYOUTS)
-    assert peers.CARPOOL_LAYOUTS["carpool-haproxy"] is None
-    assert peers.CARPOOL_LAYOUTS["carpool-throughput"] is None
-    assert peers.CARPOOL_RAY_ENV["carpool-haproxy"] == {"RAY_SERVE_ENABLE_HA_PROXY": "1"}
-    # Every carpool system but one runs its Ray in a session of its own, as the peers do.
-    assert {"carpool-harness-session"} == peers.HARNESS_SESSION
-    assert peers.CARPOOL_LAYOUTS["carpool-harness-session"] is None
+    assert set(layouts.CARPOOL_RAY_ENV) <= set(layouts.CARPOOL_LAYOUTS)
+    assert layouts.CARPOOL_LAYOUTS["carpool-haproxy"] is None
+    assert layouts.CARPOOL_LAYOUTS["carpool-throughput"] is None
+    assert layouts.CARPOOL_RAY_ENV["carpool-haproxy"] == {"RAY_SERVE_ENABLE_HA_PROXY": "1"}
     with pytest.raises(KeyError, match="no application 'nope'"):
-        peers.app_entry(shipped, "nope")
+        layouts.app_entry(shipped, "nope")
 
 
 def test_ray_env_is_set_only_inside_the_block(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("CARPOOL_TEST_KEPT", "before")
     monkeypatch.delenv("CARPOOL_TEST_NEW", raising=False)
-    with peers.environ({"CARPOOL_TEST_KEPT": "inside", "CARPOOL_TEST_NEW": "1"}):
+    with process.environ({"CARPOOL_TEST_KEPT": "inside", "CARPOOL_TEST_NEW": "1"}):
         assert os.environ["CARPOOL_TEST_KEPT"] == "inside"
         assert os.environ["CARPOOL_TEST_NEW"] == "1"
     assert os.environ["CARPOOL_TEST_KEPT"] == "before"
@@ -603,18 +597,18 @@ def test_a_mixed_visit_loads_both_servers_at_once() -> None:
         site = web.TCPSite(runner, "127.0.0.1", 0)
         await site.start()
         url = f"http://127.0.0.1:{site._server.sockets[0].getsockname()[1]}"  # type: ignore[union-attr]
-        system = peers.MixedSpec(
+        system = systems.MixedSpec(
             "fake",
             url,
-            peers.EmbeddingsTarget("fake", "/e"),
+            EmbeddingsTarget("fake", "/e"),
             url,
-            peers.StreamingTarget("fake", "/g"),
+            stream.StreamingTarget("fake", "/g"),
             start=dict,
             stop=lambda: None,
         )
         args = argparse.Namespace(duration=1.0)
         try:
-            return await peers._mixed_visit(
+            return await mixed._mixed_visit(
                 system, embed_workload(50, 0), generate_workload(50, 0), args, 0
             )
         finally:
@@ -629,21 +623,21 @@ def test_a_mixed_visit_loads_both_servers_at_once() -> None:
 def test_paired_rounds_rotate_the_order_and_keep_going_past_a_failed_peer(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    monkeypatch.setattr(peers, "SETTLE_S", 0.0)
+    monkeypatch.setattr(systems, "SETTLE_S", 0.0)
     events: list[str] = []
 
-    def system(name: str, fails: bool = False) -> peers.SystemSpec:
+    def system(name: str, fails: bool = False) -> systems.SystemSpec:
         def start() -> dict:
             events.append(f"start {name}")
             if fails:
                 raise RuntimeError(f"{name} exited with 1 before answering")
             return {"start_s": 1.0}
 
-        return peers.SystemSpec(
+        return systems.SystemSpec(
             name, "http://x", lambda e: None, start, lambda: events.append(f"stop {name}")
         )
 
-    async def visit(s: peers.SystemSpec, r: int) -> dict:
+    async def visit(s: systems.SystemSpec, r: int) -> dict:
         events.append(f"visit {s.name} r{r}")
         return {"round": r}
 
@@ -652,7 +646,7 @@ def test_paired_rounds_rotate_the_order_and_keep_going_past_a_failed_peer(
     def result(facts: dict, rounds: list) -> dict:
         return {"facts": facts, "rounds": [dict(r) for r in rounds]}
 
-    out = peers.paired_rounds(
+    out = measure.paired_rounds(
         [system("a"), system("b"), system("c", fails=True)],
         2,
         visit,
