@@ -32,7 +32,7 @@ from benchmarks.stats import percentile
 
 # The calibration runs and sequence length of a twin_validate generation round (the report
 # reads this file as one), and its workload seed.
-from benchmarks.twin_validate import (
+from benchmarks.twin_common import (
     GEN_CALIB_LOADED_CLIENTS,
     GEN_CALIB_REQUESTS,
     GEN_MAX_SEQ_LEN,

@@ -33,7 +33,7 @@ os.environ.setdefault("RAY_AUTH_MODE", "disabled")
 os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
 
 from benchmarks.arrivals import ArrivalSpec
-from benchmarks.twin_validate import SEED, _cpu_snapshot, _cpu_used, embed_requests
+from benchmarks.twin_common import SEED, cpu_snapshot, cpu_used, embed_requests
 from benchmarks.workloads import embed_workload
 from deployments.embedder import EmbeddingDeployment
 
@@ -166,7 +166,7 @@ async def _phase(bench: Any, gen: Any, system: Any, workload: Any, spec: Arrival
     from benchmarks.runner import replica_delta
 
     before_stats = await bench.replica_snapshot(system)
-    cpu0 = _cpu_snapshot()
+    cpu0 = cpu_snapshot()
     wall0 = time.time()
     if spec.kind == "closed":
         result = await gen.run_closed(
@@ -177,7 +177,7 @@ async def _phase(bench: Any, gen: Any, system: Any, workload: Any, spec: Arrival
         times = spec.schedule()
         result = await gen.run_open(system.target, workload.take(len(times)), times, "diag")
     wall1 = time.time()
-    cpu = _cpu_used(cpu0, _cpu_snapshot())
+    cpu = cpu_used(cpu0, cpu_snapshot())
     await bench.quiesce(system)
     after_stats = await bench.replica_snapshot(system)
     recs = [
@@ -293,7 +293,7 @@ def cmd_measure(args: Any) -> int:
 
 def _replica(before: dict, after: dict) -> dict[str, float]:
     """Totals between two cumulative ``/v1/stats`` snapshots (which carry means)."""
-    from benchmarks.twin_validate import replica_passes
+    from benchmarks.twin_common import replica_passes
 
     return replica_passes(before, after)
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from benchmarks.twin_validate import ROOT
+from benchmarks.twin_common import ROOT
 
 
 def _each(values: list[Any], fmt: str = "{}") -> str:

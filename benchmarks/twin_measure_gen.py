@@ -12,17 +12,17 @@ import sys
 import time
 from typing import Any
 
-from benchmarks.twin_gpu_engine import summarise
-from benchmarks.twin_validate import (
+from benchmarks.twin_common import (
     GEN_CALIB_LOADED_CLIENTS,
     GEN_CALIB_REQUESTS,
     GEN_CONFIGS,
     GEN_MAX_SEQ_LEN,
     SEED,
-    _cpu_snapshot,
-    _cpu_used,
-    _save,
+    cpu_snapshot,
+    cpu_used,
+    save_json,
 )
+from benchmarks.twin_gpu_engine import summarise
 
 
 async def _first_delta_tokens(server: Any, texts: list[str]) -> list[int]:
@@ -174,9 +174,9 @@ def _measure_config(server: Any, name: str, clients_list: tuple[int, ...], token
         # refusal ended that configuration.)
         n = max(args.gen_requests, clients)
         print(f"generation {name}: {clients} clients, {n} requests", file=sys.stderr, flush=True)
-        before = _cpu_snapshot()
+        before = cpu_snapshot()
         r = asyncio.run(_gen_calls(server, workload(n, 8, 256, SEED), clients))
-        res[str(clients)] = {"requests": n, **r, "cpu": _cpu_used(before, _cpu_snapshot())}
+        res[str(clients)] = {"requests": n, **r, "cpu": cpu_used(before, cpu_snapshot())}
     if name == "default" and args.trace_requests > 0:
         times, calls, prompts = trace_calls(tokenizer, args)
         print(f"generation: trace, {len(calls)} requests", file=sys.stderr, flush=True)
@@ -227,5 +227,5 @@ def measure_generation(args: Any) -> list[dict[str, Any]]:
                 server.close()
             print(f"generation round {rnd} {name}: {time.time() - started:.0f} s",
                   file=sys.stderr, flush=True)  # fmt: skip
-            _save(args.out + ".gen.partial", {"rounds": [{"generation": r} for r in rounds]})
+            save_json(args.out + ".gen.partial", {"rounds": [{"generation": r} for r in rounds]})
     return rounds

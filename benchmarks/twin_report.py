@@ -14,7 +14,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from benchmarks.twin_validate import (
+from benchmarks.twin_common import (
     GEN_CALIB_LOADED_CLIENTS,
     ROOT,
     SEED,

@@ -37,13 +37,21 @@ os.environ.setdefault("RAY_AUTH_MODE", "disabled")
 os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
 
 from benchmarks.arrivals import ArrivalSpec
-from benchmarks.workloads import EmbedRequest, Workload, embed_workload
-from carpool.twin.replicas import SimRequest
+from benchmarks.twin_common import (
+    GEN_CLIENTS,
+    GEN_CONFIGS,
+    SEED,
+    cpu_snapshot,
+    cpu_used,
+    replica_passes,
+    save_json,
+)
+from benchmarks.workloads import Workload, embed_workload
 
 if TYPE_CHECKING:
     from benchmarks.deploy import ServeCluster
 
-ROOT = Path(__file__).resolve().parent.parent
+
 # The embed configurations validated: serve.yaml's knobs, then changes the twin was not fitted on.
 EMBED_CONFIGS: dict[str, dict[str, Any]] = {
     "default": {},
@@ -53,56 +61,10 @@ EMBED_CONFIGS: dict[str, dict[str, Any]] = {
 }
 # The embed configuration the twin's host and serving-path figures are calibrated on.
 CALIBRATION_CONFIG = "default"
-GEN_CLIENTS = (4, 16, 64)
-# Generation configurations: knobs, and the client counts each is measured at. serve.yaml's
-# small generator runs 64 sequences and 512-token steps; the other batches 16 sequences.
-GEN_CONFIGS: dict[str, tuple[dict[str, Any], tuple[int, ...]]] = {
-    "default": ({"max_num_seqs": 64, "max_batch_tokens": 512}, GEN_CLIENTS),
-    "max_num_seqs_16": ({"max_num_seqs": 16, "max_batch_tokens": 512}, (64,)),
-}
-# Slots sized to the workloads (prompts of at most a few hundred tokens plus 256 generated):
-# 64 x 641 x 46,080 bytes/token (SmolLM2) = 1.9 GB, under the default 2048 MB KV ceiling.
-GEN_MAX_SEQ_LEN = 640
 # Requests per generation closed loop: a p99 of 64 lies between the two slowest (run 2 and
 # before: 16 at 4 clients and 32 at 16, where the p99 was the slowest of the first wave).
 GEN_REQUESTS = 64
-GEN_CALIB_REQUESTS = 4  # 1 client x 32 tokens each: the serving cost per engine step
-GEN_CALIB_LOADED_CLIENTS = 8  # and 8 clients, 2 requests each: a step's cost under load
 TRACE = "/work/shared/traces/AzureLLMInferenceTrace_conv.csv"
-MAX_LENGTH = 256  # all-MiniLM-L6-v2's max_seq_length: longer texts are truncated to it
-SEED = 0
-
-
-# --- requests, as the twin sees them --------------------------------------------------------
-
-
-def embed_requests(workload: Workload) -> list[SimRequest]:
-    """Token lengths of each text: the workload's words + [CLS]/[SEP] (exact for WordPiece)."""
-    out = []
-    for r in workload.requests:
-        assert isinstance(r, EmbedRequest)
-        out.append(
-            SimRequest("embed", lengths=tuple(min(MAX_LENGTH, len(t.split()) + 2) for t in r.texts))
-        )
-    return out
-
-
-def gen_requests(
-    prompt_tokens: list[int], max_tokens: list[int], first: list[int] | None = None
-) -> list[SimRequest]:
-    """``first``: tokens until each request's first text delta (measured, per prompt)."""
-    first = first or [1] * len(prompt_tokens)
-    return [
-        SimRequest(
-            "generate",
-            prompt_tokens=p,
-            max_tokens=m,
-            output_tokens=m,
-            model="small",
-            first_visible=f,
-        )
-        for p, m, f in zip(prompt_tokens, max_tokens, first, strict=True)
-    ]
 
 
 # --- measuring ------------------------------------------------------------------------------
@@ -124,90 +86,15 @@ def _summary(run: Any) -> dict[str, Any]:
     }
 
 
-def _cpu_snapshot(session: int | None = None) -> dict[str, Any]:
-    """CPU seconds so far of this process (the load generator), every process under it
-    (``ray.init`` starts a cluster as its children) and every process of ``session`` (a Ray
-    started in a session of its own: proxy, replicas, controller, raylet, GCS), by process,
-    and the whole machine's busy CPU seconds (/proc/stat)."""
-    import psutil
-
-    from benchmarks.deploy import session_processes
-
-    me = psutil.Process()
-    cluster = session_processes(session) if session is not None else []
-    procs: dict[int, tuple[str, float]] = {}
-    for proc in [me, *me.children(recursive=True), *cluster]:
-        try:
-            times = proc.cpu_times()
-            title = (proc.cmdline() or [proc.name()])[0]
-        except psutil.Error:
-            continue
-        procs[proc.pid] = (
-            "loadgen" if proc.pid == me.pid else title[:60],
-            times.user + times.system,
-        )
-    with open("/proc/stat") as f:
-        fields = [int(x) for x in f.readline().split()[1:]]
-    idle = fields[3] + fields[4]  # idle + iowait
-    busy = (sum(fields[:8]) - idle) / os.sysconf("SC_CLK_TCK")
-    # Steal: time the hypervisor gave this VM's cores to others (a slower machine that no
-    # process here shows).
-    steal = fields[7] / os.sysconf("SC_CLK_TCK") if len(fields) > 7 else 0.0
-    return {"procs": procs, "machine_busy_s": busy, "steal_s": steal, "t": time.perf_counter()}
-
-
-def _cpu_used(before: dict[str, Any], after: dict[str, Any]) -> dict[str, Any]:
-    """CPU seconds used between two snapshots: by process title, ours in all, the machine."""
-    by: dict[str, float] = {}
-    for pid, (title, cpu) in after["procs"].items():
-        start = before["procs"].get(pid, (title, 0.0))[1]
-        by[title] = by.get(title, 0.0) + cpu - start
-    return {
-        "wall_s": round(after["t"] - before["t"], 3),
-        "ours_s": round(sum(by.values()), 3),
-        "machine_s": round(after["machine_busy_s"] - before["machine_busy_s"], 3),
-        "steal_s": round(after.get("steal_s", 0.0) - before.get("steal_s", 0.0), 3),
-        "by_process": {k: round(v, 3) for k, v in sorted(by.items(), key=lambda kv: -kv[1])},
-    }
-
-
-def replica_passes(before: dict[str, Any], after: dict[str, Any]) -> dict[str, float]:
-    """What the replica's passes did between two ``/v1/stats`` snapshots: passes, items,
-    padded tokens and the passes' wall time in all (the stats carry means; totals are the
-    mean times the count). Empty without both snapshots."""
-    keys = ("forward_passes", "items", "padded_tokens", "mean_forward_ms", "mean_queue_wait_ms")
-    if not all(k in before and k in after for k in keys):
-        return {}
-
-    def total(d: dict[str, Any], mean: str, count: str) -> float:
-        return float(d[mean]) * float(d[count])
-
-    return {
-        "passes": after["forward_passes"] - before["forward_passes"],
-        "items": after["items"] - before["items"],
-        "padded_tokens": after["padded_tokens"] - before["padded_tokens"],
-        "forward_ms": round(
-            total(after, "mean_forward_ms", "forward_passes")
-            - total(before, "mean_forward_ms", "forward_passes"),
-            2,
-        ),
-        "queue_wait_ms": round(
-            total(after, "mean_queue_wait_ms", "items")
-            - total(before, "mean_queue_wait_ms", "items"),
-            2,
-        ),
-    }
-
-
 async def _timed(
     bench: Any, system: Any, workload: Workload, spec: ArrivalSpec, session: int | None
 ) -> dict:
     """One phase's summary, with the CPU the cluster, the load generator and the machine used,
     and what the replica's passes did (``replica``: their count and wall time, /v1/stats)."""
     stats = await bench.replica_snapshot(system)
-    before = _cpu_snapshot(session)
+    before = cpu_snapshot(session)
     out = _summary(await bench.run(system, workload, spec))
-    out["cpu"] = _cpu_used(before, _cpu_snapshot(session))
+    out["cpu"] = cpu_used(before, cpu_snapshot(session))
     out["replica"] = replica_passes(stats, await bench.replica_snapshot(system))
     return out
 
@@ -248,9 +135,9 @@ async def _embed_phases(
                 _retime, base, dest, cluster.base_url + system.target.prefix
             )
         calib = ArrivalSpec(kind="closed", concurrency=1, duration_s=args.calibrate_s)
-        idle = _cpu_snapshot(session)
+        idle = cpu_snapshot(session)
         await asyncio.sleep(3)  # the cluster idle: what it burns with no requests
-        out["idle"] = _cpu_used(idle, _cpu_snapshot(session))
+        out["idle"] = cpu_used(idle, cpu_snapshot(session))
         out["closed_1"] = await _timed(bench, system, workload, calib, session)
         # A calibration under load (not a validated figure): what a pass costs while the
         # serving path keeps the other core busy, which the 1-client run cannot show.
@@ -312,15 +199,10 @@ def measure_embed(args: Any) -> list[dict[str, Any]]:
                     results[name] = {"knobs": knobs, "error": repr(exc)}
                 print(f"embed round {rnd} {name}: {time.time() - started:.0f} s", file=sys.stderr,
                       flush=True)  # fmt: skip
-                _save(args.out + ".partial", {"rounds": [{"embed": r} for r in rounds]})
+                save_json(args.out + ".partial", {"rounds": [{"embed": r} for r in rounds]})
     finally:
         cluster.shutdown()
     return rounds
-
-
-def _save(path: str, doc: dict[str, Any]) -> None:
-    Path(path).parent.mkdir(parents=True, exist_ok=True)
-    Path(path).write_text(json.dumps(doc, indent=1) + "\n")
 
 
 def cmd_measure(args: Any) -> int:

@@ -7,8 +7,8 @@ from pathlib import Path
 
 import pytest
 
+from benchmarks.twin_common import SEED, embed_requests, replica_passes
 from benchmarks.twin_report import embed_pass_scale, embed_spec
-from benchmarks.twin_validate import SEED, embed_requests, replica_passes
 from benchmarks.workloads import embed_workload
 from carpool.twin.calibrate import priced_pass_ms
 from carpool.twin.profile import load_profile

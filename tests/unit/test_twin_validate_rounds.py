@@ -10,6 +10,7 @@ from pathlib import Path
 import pytest
 
 from benchmarks.generation_compare import PROMPTS, workload
+from benchmarks.twin_common import GEN_CALIB_LOADED_CLIENTS, SEED, embed_requests
 from benchmarks.twin_report import (
     _gen_closed,
     combine,
@@ -18,7 +19,6 @@ from benchmarks.twin_report import (
     gen_spec,
     loaded_pass_scale,
 )
-from benchmarks.twin_validate import GEN_CALIB_LOADED_CLIENTS, SEED, embed_requests
 from benchmarks.workloads import embed_workload
 from carpool.twin.profile import load_profile
 from carpool.twin.replicas import GeneratorReplica
