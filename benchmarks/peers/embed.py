@@ -26,7 +26,7 @@ from benchmarks.peers.settings import SLO_MS
 from benchmarks.peers.stats import median_spread, paired_ratios
 from benchmarks.peers.stream import PeersLoadGenerator
 from benchmarks.peers.systems import SystemSpec, embed_systems
-from benchmarks.workloads import Workload
+from benchmarks.workloads import Workload, embed_workload
 
 
 async def _embed_visit(
@@ -99,8 +99,6 @@ async def _embed_visit(
 def run_embed(
     args: argparse.Namespace, log_dir: Path, save: Callable[[dict[str, Any]], None] | None = None
 ) -> dict[str, Any]:
-    from benchmarks.workloads import embed_workload
-
     systems = embed_systems(
         args.systems or ["carpool", "infinity-torch", "infinity-optimum"], log_dir
     )

@@ -16,7 +16,7 @@ from benchmarks.peers.process import load_note, top_snapshot
 from benchmarks.peers.stats import median_spread, paired_ratios
 from benchmarks.peers.stream import PeersLoadGenerator, StreamingTarget
 from benchmarks.peers.systems import SystemSpec, generate_systems
-from benchmarks.workloads import Workload
+from benchmarks.workloads import Workload, generate_workload
 
 
 def trace_requests(args: argparse.Namespace) -> Workload:
@@ -70,8 +70,6 @@ async def _generate_visit(
 def run_generate(
     args: argparse.Namespace, log_dir: Path, save: Callable[[dict[str, Any]], None] | None = None
 ) -> dict[str, Any]:
-    from benchmarks.workloads import generate_workload
-
     # vllm-allcores beside vllm: carpool's default computes on both cores, vLLM's leaves one
     # to its API server; the report shows vLLM's own server both ways.
     default = ["carpool", "vllm", "vllm-allcores"]

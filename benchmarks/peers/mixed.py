@@ -19,7 +19,7 @@ from benchmarks.peers.process import load_note, top_snapshot
 from benchmarks.peers.stats import median_spread, paired_ratios
 from benchmarks.peers.stream import PeersLoadGenerator
 from benchmarks.peers.systems import MixedSpec, mixed_systems
-from benchmarks.workloads import Workload
+from benchmarks.workloads import Workload, embed_workload, generate_workload
 
 # Embedding and generation clients at once, on one machine: carpool's embed and generate apps
 # on one Ray, against what a user would otherwise run for both (Infinity and vLLM's server,
@@ -67,8 +67,6 @@ async def _mixed_visit(
 def run_mixed(
     args: argparse.Namespace, log_dir: Path, save: Callable[[dict[str, Any]], None] | None = None
 ) -> dict[str, Any]:
-    from benchmarks.workloads import embed_workload, generate_workload
-
     systems = mixed_systems(
         args.systems or ["carpool", "carpool-allcores", "infinity+vllm"], log_dir, args
     )
