@@ -4,8 +4,8 @@ carpool's own embedder (``deployments.embedder.TextEmbedder``, the packaged all-
 mean pooling, L2-normalised) encodes the same texts at each dtype on CPU; the table gives
 each dtype's cosine similarity to the fp32 vector of the same text (mean, 1st percentile,
 minimum) and how many of each query's 10 nearest passages under fp32 it still finds
-(recall@10). The texts: the paragraphs of carpool's packaged corpus (carpool/corpus/*.md) as
-passages, and the router's benchmark questions as queries.
+(recall@10). The texts: the paragraphs of carpool's packaged corpus (carpool/corpus/*.md) and
+docs (docs/*.md) as passages, and the router's benchmark questions as queries.
 
     .venv/bin/python -m benchmarks.embed_dtype          # about a minute on 2 cores
 
@@ -31,9 +31,10 @@ DTYPES = ("float32", "bfloat16", "float16")
 
 
 def passages(limit: int) -> list[str]:
-    """Paragraphs of carpool's packaged corpus, longest first cut to ``limit``."""
+    """Paragraphs of carpool's packaged corpus and its docs, the first ``limit``."""
     found = []
-    for path in sorted((ROOT / "carpool" / "corpus").glob("*.md")):
+    paths = sorted((ROOT / "carpool" / "corpus").glob("*.md")) + sorted(ROOT.glob("docs/*.md"))
+    for path in paths:
         for block in path.read_text().split("\n\n"):
             text = " ".join(block.split())
             if len(text) > 40:
