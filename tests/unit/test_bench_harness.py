@@ -716,3 +716,19 @@ def test_a_searched_rate_carpool_never_held_gives_no_ratio_but_a_held_lower_rate
     results["slo"]["carpool"]["slo_ms"]["windows"][1]["passed_slo_ms"] = True
     f = headline(results)["figures"]["vs_naive"]
     assert f["median"] == pytest.approx(3.0) and "basis" not in f and "not_held" not in f
+
+
+def test_the_harness_is_not_installed_with_the_product() -> None:
+    # benchmarks/ and dashboards/ run from a checkout (`python -m benchmarks`, from the
+    # repository root): a wheel of carpool must not put packages under these generic names
+    # into site-packages.
+    import fnmatch
+    import tomllib
+
+    root = Path(__file__).resolve().parents[2]
+    find = tomllib.loads((root / "pyproject.toml").read_text())["tool"]["setuptools"]["packages"]
+    include = find["find"]["include"]
+    for package in ("benchmarks", "benchmarks.peers", "dashboards"):
+        assert not any(fnmatch.fnmatch(package, pattern) for pattern in include), package
+    for package in ("carpool", "carpool.generation", "router", "pipelines", "deployments"):
+        assert any(fnmatch.fnmatch(package, pattern) for pattern in include), package
