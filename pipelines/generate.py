@@ -99,7 +99,7 @@ class RouterHost:
 
     ``route_generate`` / ``route_stream`` / ``route_describe`` answer as a generator's
     ``generate`` / ``stream`` / ``describe`` do (``RouterHandle`` maps them), decided by this
-    replica's router.
+    replica's router; ``route_stats`` reads it.
     """
 
     router: HostedRouter | None = None
@@ -118,6 +118,10 @@ class RouterHost:
 
     async def route_describe(self) -> dict[str, Any]:
         return await self._router().describe()
+
+    def route_stats(self) -> dict[str, Any]:
+        """This replica's router: in-flight caps and counts, what its predictor has seen."""
+        return self._router().stats()
 
 
 def _hosted_router(args: GenerateArgs, small: Any, large: Any) -> HostedRouter | None:
