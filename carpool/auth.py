@@ -37,6 +37,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+from carpool.error_body import error_response
 from carpool.topology import replica_context
 
 logger = logging.getLogger(__name__)
@@ -250,9 +251,6 @@ async def _refuse(
     code: str,
     retry_after_s: float | None = None,
 ) -> None:
-    # Imported here: carpool.http re-exports this module's names, so it imports this one first.
-    from carpool.http import error_response
-
     response = error_response(status, message, code=code, retry_after_s=retry_after_s)
     await response(scope, receive, send)
 

@@ -1,7 +1,6 @@
 """What every carpool HTTP ingress shares: error bodies, a body-size cap, backend errors.
 
-Error bodies follow OpenAI's shape (``{"error": {"message", "type", "param", "code"}}``) so
-OpenAI clients show the message, and the message always says what to change.
+Error bodies are built by ``carpool.error_body.error_response`` (OpenAI's shape).
 """
 
 from __future__ import annotations
@@ -9,7 +8,6 @@ from __future__ import annotations
 import asyncio
 import contextvars
 import logging
-import math
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any, TypeVar
@@ -27,11 +25,9 @@ from carpool.admission import (
     deadline_exceeded,
     parse_controls,
 )
-
-# API keys and per-key limits live in carpool.auth; re-exported for existing imports.
-from carpool.auth import ApiKeyAuth as ApiKeyAuth
-from carpool.auth import load_api_keys as load_api_keys
+from carpool.auth import ApiKeyAuth
 from carpool.config import IngressConfig
+from carpool.error_body import error_response
 from carpool.errors import RequestError, find_request_error
 from carpool.priority import apply_ingress_priority, recheck_proxy_priority
 from carpool.refusals import RefusalMemory, call_refusable
@@ -40,17 +36,6 @@ from carpool.topology import live_replicas
 logger = logging.getLogger(__name__)
 
 T = TypeVar("T")
-
-_ERROR_TYPES = {
-    400: "invalid_request_error",
-    401: "authentication_error",
-    404: "not_found_error",
-    413: "request_too_large",
-    422: "invalid_request_error",
-    429: "rate_limit_error",
-    503: "service_unavailable",
-    504: "timeout_error",
-}
 
 
 class ClosingStreamingResponse(StreamingResponse):
@@ -69,27 +54,6 @@ class ClosingStreamingResponse(StreamingResponse):
             aclose = getattr(self.body_iterator, "aclose", None)
             if aclose is not None:
                 await aclose()
-
-
-def error_response(
-    status: int,
-    message: str,
-    param: str | None = None,
-    code: str | None = None,
-    retry_after_s: float | None = None,
-) -> JSONResponse:
-    body = {
-        "error": {
-            "message": message,
-            "type": _ERROR_TYPES.get(
-                status, "server_error" if status >= 500 else "invalid_request_error"
-            ),
-            "param": param,
-            "code": code,
-        }
-    }
-    headers = {"Retry-After": str(max(1, math.ceil(retry_after_s)))} if retry_after_s else None
-    return JSONResponse(status_code=status, content=body, headers=headers)
 
 
 def _describe_validation_error(err: dict[str, Any]) -> tuple[str, str | None]:
