@@ -12,17 +12,15 @@ met.
 
 from __future__ import annotations
 
-import asyncio
+import contextvars
 import math
 import time
 from abc import ABC, abstractmethod
-from collections.abc import Awaitable
 from dataclasses import dataclass
-from typing import Any, Literal, TypeVar
+from typing import Any, Literal
 
 from carpool.errors import RequestError
 
-T = TypeVar("T")
 Priority = Literal["interactive", "batch"]
 PRIORITIES: tuple[Priority, ...] = ("interactive", "batch")
 # Lower runs first; the executor and the generators' waiting queues order by it.
@@ -65,34 +63,16 @@ class RequestControls:
             raise deadline_exceeded(stage)
 
 
-async def await_or_cancel(call: Awaitable[T]) -> T:
-    """Awaits a downstream call (a Serve DeploymentResponse) and cancels it if we are cancelled.
-
-    Awaiting a response in a task that gets cancelled does not stop the downstream replica's
-    work; cancelling the response does, so a client that leaves frees every stage below.
-    """
-    try:
-        return await call
-    except asyncio.CancelledError:
-        cancel: Any = getattr(call, "cancel", None)
-        if cancel is not None:
-            cancel()
-        raise
+# RequestControls is a frozen dataclass, so one shared default is safe.
+_CONTROLS: contextvars.ContextVar[RequestControls] = contextvars.ContextVar(
+    "carpool_request_controls",
+    default=RequestControls(),  # noqa: B039
+)
 
 
-async def open_stream(handle: Any, call: dict[str, Any]) -> tuple[Any, Any]:
-    """Starts a streamed call on a generator handle and awaits its first event.
-
-    The first event comes after the replica validated and admitted the request, so a refusal
-    or bad input surfaces here, before any token, where the caller may still retry or answer
-    a plain error. The stream is cancelled if that first event fails or the caller leaves.
-    """
-    events = handle.options(stream=True).stream.remote(call)
-    try:
-        return events, await events.__anext__()
-    except BaseException:
-        events.cancel()
-        raise
+def current_controls() -> RequestControls:
+    """The deadline and priority of the request this ingress is serving now."""
+    return _CONTROLS.get()
 
 
 def deadline_exceeded(stage: str) -> RequestError:

@@ -1,41 +1,26 @@
-"""What every carpool HTTP ingress shares: error bodies, a body-size cap, backend errors.
+"""What every carpool HTTP ingress shares: the FastAPI app, its error handling, a body-size
+cap and the deadline/priority middleware. Calls to other deployments are ``carpool.calls``.
 
 Error bodies are built by ``carpool.error_body.error_response`` (OpenAI's shape).
 """
 
 from __future__ import annotations
 
-import asyncio
-import contextvars
-import logging
-from collections.abc import Awaitable, Callable
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, TypeVar
+from typing import Any
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from carpool.admission import (
-    DEADLINE_HEADER,
-    PRIORITY_HEADER,
-    RequestControls,
-    await_or_cancel,
-    deadline_exceeded,
-    parse_controls,
-)
+from carpool.admission import _CONTROLS, DEADLINE_HEADER, PRIORITY_HEADER, parse_controls
 from carpool.auth import ApiKeyAuth
 from carpool.config import IngressConfig
 from carpool.error_body import error_response
-from carpool.errors import RequestError, find_request_error
-from carpool.priority import apply_ingress_priority, recheck_proxy_priority
-from carpool.refusals import RefusalMemory, call_refusable
-from carpool.topology import live_replicas
-
-logger = logging.getLogger(__name__)
-
-T = TypeVar("T")
+from carpool.errors import RequestError
+from carpool.priority import apply_ingress_priority
 
 
 class ClosingStreamingResponse(StreamingResponse):
@@ -193,18 +178,6 @@ def _body_error(cause: BaseException | None, max_body_bytes: int) -> JSONRespons
     )
 
 
-# RequestControls is a frozen dataclass, so one shared default is safe.
-_CONTROLS: contextvars.ContextVar[RequestControls] = contextvars.ContextVar(
-    "carpool_request_controls",
-    default=RequestControls(),  # noqa: B039
-)
-
-
-def current_controls() -> RequestControls:
-    """The deadline and priority of the request this ingress is serving now."""
-    return _CONTROLS.get()
-
-
 @dataclass
 class ControlsSettings:
     """Per-ingress defaults; the ingress fills them from its config when it starts."""
@@ -292,185 +265,6 @@ def make_api(title: str, description: str, max_body_bytes: int) -> FastAPI:
     # Added last, so it runs first: an unauthenticated body is never read.
     api.add_middleware(ApiKeyAuth)
     return api
-
-
-def _replica_lost(exc: BaseException) -> bool:
-    """True when the call failed because its replica died, not because of what was asked."""
-    from ray import exceptions
-
-    lost = (exceptions.RayActorError, exceptions.ActorUnavailableError)
-    current: BaseException | None = exc
-    while current is not None:
-        if isinstance(current, lost):
-            return True
-        current = current.__cause__ or current.__context__
-    return False
-
-
-def _cancel(call: Awaitable[Any]) -> None:
-    # A DeploymentResponse: cancelling it cancels the downstream replica's work (queued items
-    # leave their batch, a generating sequence frees its slot) and, through Serve, its own
-    # downstream calls. Awaiting it in a cancelled task would not.
-    cancel = getattr(call, "cancel", None)
-    if cancel is not None:
-        try:
-            cancel()
-        except Exception:  # already finished or never assigned: nothing left to stop
-            logger.debug("cancelling a downstream call failed", exc_info=True)
-
-
-async def await_within_deadline(stage: str, call: Awaitable[T]) -> T:
-    """Awaits a downstream call within the request's deadline; cancels it if the client leaves.
-
-    Past the deadline the downstream work is cancelled and the client gets 504.
-    ``asyncio.timeout``, not ``wait_for``: on CPython 3.11 ``wait_for`` returns the result of
-    a call that completes just as the caller is cancelled, losing the cancellation
-    (gh-86296); a timeout scope re-raises it.
-    """
-    remaining = current_controls().remaining_s()
-    try:
-        if remaining is None:
-            return await call
-        if remaining <= 0:
-            raise TimeoutError
-        async with asyncio.timeout(remaining):
-            return await call
-    except TimeoutError:
-        _cancel(call)
-        raise deadline_exceeded(stage) from None
-    except asyncio.CancelledError:
-        _cancel(call)
-        raise
-
-
-def _backpressure(exc: BaseException) -> bool:
-    from ray.serve.exceptions import BackPressureError
-
-    return isinstance(exc, BackPressureError)
-
-
-# Per ingress process: what each downstream stage's replicas last refused for overload.
-_REFUSALS: dict[str, RefusalMemory] = {}
-
-
-def _live(deployment: str) -> int | None:
-    return live_replicas().count(deployment)
-
-
-def _refusals(stage: str) -> RefusalMemory:
-    memory = _REFUSALS.get(stage)
-    if memory is None:
-        memory = _REFUSALS[stage] = RefusalMemory()
-    return memory
-
-
-# An overload refusal is held this long at most before it is answered (see _held).
-MAX_REFUSAL_HOLD_S = 1.0
-
-
-async def refuse_if_overloaded(stage: str) -> None:
-    """503 at the ingress while every replica of ``stage`` is known to be full: no hop, no
-    model CPU spent. One full replica among several refuses nothing here."""
-    refusal = _refusals(stage).refusal(stage, current_controls().priority, _live)
-    if refusal is not None:
-        raise await _held(refusal)
-
-
-def _remember(stage: str, error: RequestError) -> RequestError:
-    _refusals(stage).record(error, current_controls().priority)
-    return error
-
-
-async def _held(error: RequestError) -> RequestError:
-    """Holds an overload refusal for part of its Retry-After before it goes out.
-
-    A client that ignores Retry-After and resends at once turns overload into a storm of
-    refusals, each paid for by the proxy and the ingress on the cores the model computes on
-    (measured: 300 such clients cut goodput to 0.72 of capacity). Waiting here costs no CPU
-    and paces them; the Retry-After sent is what is left. Never past the request's deadline.
-    """
-    if error.status_code != 503 or error.code != "overloaded" or not error.retry_after_s:
-        return error
-    recheck_proxy_priority()  # an opted-in proxy restarted since would run at full priority
-    hold = min(error.retry_after_s, MAX_REFUSAL_HOLD_S)
-    remaining = current_controls().remaining_s()
-    if remaining is not None:
-        hold = min(hold, max(remaining, 0.0))
-    await asyncio.sleep(hold)
-    error.retry_after_s = max(error.retry_after_s - hold, 0.5)
-    return error
-
-
-async def call_idempotent(stage: str, make_call: Callable[[], Awaitable[T]]) -> T:
-    """Like ``call_backend``, over several replicas: refused at the ingress only while every
-    replica of the stage is known to be full; a replica's overload refusal (decided before it
-    did any work) tried on another replica with room; a call whose replica died mid-call
-    retried once elsewhere (the restarted or another replica).
-
-    For embed, rank, retrieve, and generation answered whole or before a stream's first
-    event: a lost replica's work never reached the client, so the retry is the only answer
-    it sees; a stream already under way is never restarted.
-    """
-    await refuse_if_overloaded(stage)
-    try:
-        return await await_within_deadline(stage, _refusable(stage, make_call))
-    except RequestError as exc:
-        raise await _held(_remember(stage, exc)) from None
-    except Exception as exc:
-        if find_request_error(exc) is None and _replica_lost(exc):
-            logger.warning("%s replica lost mid-call; retrying once elsewhere", stage)
-            return await call_backend(stage, make_call())
-        return await call_backend(stage, _reraise(exc))
-
-
-def _refusable(stage: str, make_call: Callable[[], Awaitable[T]]) -> Awaitable[T]:
-    # A replica's overload refusal comes before it does any work: another replica with room
-    # gets the request instead (carpool/refusals.py), and the downstream call is cancelled
-    # with its caller.
-    return call_refusable(
-        lambda: await_or_cancel(make_call()),
-        _refusals(stage),
-        current_controls().priority,
-        _live,
-    )
-
-
-async def _reraise(exc: BaseException) -> Any:
-    raise exc
-
-
-async def call_backend(stage: str, call: Awaitable[T]) -> T:
-    """Awaits a downstream stage; client errors pass through, anything else becomes a 503.
-
-    A backend failure (replica died, model error) must not read as the client's fault, and
-    must not leak a stack trace into the response. An overload refusal is remembered for a
-    moment (``RefusalMemory``), so calls that queue model work can be refused here first
-    (``refuse_if_overloaded``) at no model cost.
-    """
-    try:
-        return await await_within_deadline(stage, call)
-    except RequestError as exc:
-        raise await _held(_remember(stage, exc)) from None
-    except Exception as exc:
-        found = find_request_error(exc)
-        if found is not None:
-            raise await _held(_remember(stage, found)) from None
-        if _backpressure(exc):
-            full = RequestError(
-                503,
-                f"the {stage} stage is at capacity (its callers' queue is full); retry after "
-                "the Retry-After delay",
-                code="overloaded",
-                retry_after_s=1.0,
-                replica=None,  # the caller's own handle refused: the whole stage is full
-            )
-            raise await _held(_remember(stage, full)) from None
-        logger.exception("%s stage failed", stage)
-        raise RequestError(
-            503,
-            f"the {stage} stage failed to answer ({type(exc).__name__}); retry the request",
-            code="backend_unavailable",
-        ) from None
 
 
 # Largest request body any ingress reads (16 MiB): far above any valid request under the

@@ -22,7 +22,8 @@ from pydantic import Field, model_validator
 from ray import serve
 from ray.serve.deployment import Application
 
-from carpool.admission import RequestControls, await_or_cancel
+from carpool.admission import RequestControls
+from carpool.calls import await_or_cancel
 from carpool.config import StrictModel
 from carpool.errors import RequestError, find_request_error
 from carpool.index import (

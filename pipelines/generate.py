@@ -29,9 +29,10 @@ from ray.serve.deployment import Application
 from ray.serve.handle import DeploymentHandle
 
 from carpool.auth import health_body
+from carpool.calls import call_backend
 from carpool.generation.responses import ChatCompletionResponse, CompletionResponse
 from carpool.generation.schemas import ChatCompletionRequest, CompletionRequest
-from carpool.http import MAX_BODY_BYTES, apply_ingress_defaults, call_backend, make_api
+from carpool.http import MAX_BODY_BYTES, apply_ingress_defaults, make_api
 from carpool.local_handle import LocalHandle
 from carpool.schemas import ModelList
 from deployments.generator import GeneratorDeployment, build_generator_deployment

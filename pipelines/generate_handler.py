@@ -17,8 +17,10 @@ from pydantic import Field
 from ray import serve
 from ray.serve.handle import DeploymentHandle
 
-from carpool.admission import open_stream
+from carpool.admission import current_controls
+from carpool.calls import call_backend, call_idempotent, open_stream
 from carpool.config import IngressConfig, ModelSourceConfig, StrictModel
+from carpool.error_body import error_response
 from carpool.errors import RequestError, find_request_error
 from carpool.generation.logprobs import chat_logprobs, completion_logprobs
 from carpool.generation.responses import (
@@ -38,13 +40,7 @@ from carpool.generation.responses import (
 from carpool.generation.schemas import ChatCompletionRequest, CompletionRequest, GenerationCall
 from carpool.generation.tool_schemas import NamedToolChoice
 from carpool.generation.tools import ToolParser
-from carpool.http import (
-    ClosingStreamingResponse,
-    call_backend,
-    call_idempotent,
-    current_controls,
-    error_response,
-)
+from carpool.http import ClosingStreamingResponse
 from carpool.schemas import ModelCard
 from deployments.generator_config import DEFAULT_LARGE, DEFAULT_SMALL, GeneratorConfig
 from pipelines.handler import PipelineHandler

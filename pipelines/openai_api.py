@@ -27,10 +27,11 @@ from ray import serve
 from ray.serve.deployment import Application
 
 from carpool.auth import health_body
+from carpool.calls import call_backend
 from carpool.config import IngressConfig, StrictModel
 from carpool.errors import RequestError
 from carpool.generation.schemas import ChatCompletionRequest, CompletionRequest
-from carpool.http import MAX_BODY_BYTES, apply_ingress_defaults, call_backend, make_api
+from carpool.http import MAX_BODY_BYTES, apply_ingress_defaults, make_api
 from carpool.schemas import CohereRerankRequest, EmbeddingRequest, RerankRequest
 from pipelines import embed, generate, rag, rank
 

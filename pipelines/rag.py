@@ -22,7 +22,9 @@ from ray import serve
 from ray.serve.deployment import Application
 from ray.serve.handle import DeploymentHandle
 
+from carpool.admission import current_controls
 from carpool.auth import health_body
+from carpool.calls import call_idempotent
 from carpool.config import IngressConfig, StrictModel
 from carpool.errors import RequestError
 from carpool.generation.schemas import (
@@ -32,14 +34,7 @@ from carpool.generation.schemas import (
     check_token_limits,
 )
 from carpool.generation.tool_schemas import TextPart
-from carpool.http import (
-    MAX_BODY_BYTES,
-    ClosingStreamingResponse,
-    apply_ingress_defaults,
-    call_idempotent,
-    current_controls,
-    make_api,
-)
+from carpool.http import MAX_BODY_BYTES, ClosingStreamingResponse, apply_ingress_defaults, make_api
 from carpool.schemas import (
     IngestRequest,
     IngestResponse,

@@ -15,17 +15,12 @@ from ray import serve
 from ray.serve.deployment import Application
 from ray.serve.handle import DeploymentHandle
 
+from carpool.admission import current_controls
 from carpool.auth import health_body
+from carpool.calls import call_backend, call_idempotent
 from carpool.config import IngressConfig, StrictModel
 from carpool.errors import RequestError
-from carpool.http import (
-    MAX_BODY_BYTES,
-    apply_ingress_defaults,
-    call_backend,
-    call_idempotent,
-    current_controls,
-    make_api,
-)
+from carpool.http import MAX_BODY_BYTES, apply_ingress_defaults, make_api
 from carpool.schemas import (
     CohereRerankRequest,
     CohereRerankResponse,

@@ -18,8 +18,14 @@ import os
 from collections.abc import AsyncIterator
 from typing import Any
 
-from carpool.admission import await_or_cancel, open_stream
-from carpool.refusals import LiveCount, RefusalMemory, call_refusable, no_live_counts
+from carpool.calls import (
+    LiveCount,
+    RefusalMemory,
+    await_or_cancel,
+    call_refusable,
+    no_live_counts,
+    open_stream,
+)
 from router.choice import LARGE, SMALL
 from router.length import PredictorStore
 from router.server import (

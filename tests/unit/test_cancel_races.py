@@ -13,9 +13,9 @@ from typing import Any
 
 import pytest
 
-from carpool.admission import RequestControls
+from carpool.admission import _CONTROLS, RequestControls
+from carpool.calls import await_within_deadline
 from carpool.errors import RequestError
-from carpool.http import _CONTROLS, await_within_deadline
 from router.lanes import ShortestFirstQueue
 from router.server import _Gate
 

@@ -146,7 +146,7 @@ def test_a_cancelled_stream_always_aborts_its_sequence(server) -> None:
 def test_a_local_stream_closed_between_events_aborts_its_sequence(server) -> None:
     """Direct streaming: the HTTP handler reads the replica's own stream in-process
     (``LocalHandle``) and, when the client leaves between messages, closes it."""
-    from carpool.admission import open_stream
+    from carpool.calls import open_stream
     from carpool.local_handle import LocalHandle
 
     engine: TickingEngine = server.engine

@@ -16,13 +16,14 @@ from carpool.admission import (
     QueueState,
     RequestControls,
     StandingQueueAdmission,
+    current_controls,
     parse_controls,
 )
 from carpool.batching import BatchLimits, Job, LengthAwareExecutor, make_splitter
+from carpool.calls import RefusalMemory, call_backend, refuse_if_overloaded
 from carpool.errors import RequestError
 from carpool.generation.scheduler import PriorityQueue
-from carpool.http import call_backend, current_controls, make_api, refuse_if_overloaded
-from carpool.refusals import RefusalMemory
+from carpool.http import make_api
 from deployments.embedder import EmbedderConfig, EmbeddingServer
 from router.lanes import ShortestFirstQueue
 from router.server import _Gate

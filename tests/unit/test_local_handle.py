@@ -8,7 +8,7 @@ from typing import Any
 
 import pytest
 
-from carpool.admission import open_stream
+from carpool.calls import open_stream
 from carpool.local_handle import LocalHandle
 
 

@@ -12,8 +12,8 @@ import pytest
 from pydantic import ValidationError
 
 from carpool.admission import RequestControls, SlotQueue, slot_refusal
+from carpool.calls import RefusalMemory, call_refusable
 from carpool.errors import RequestError, find_request_error
-from carpool.refusals import RefusalMemory, call_refusable
 from carpool.topology import LiveReplicas, parse_serve_details
 from router.features import extract_features
 from router.length import LengthPredictor, PredictorStore
