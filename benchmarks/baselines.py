@@ -35,7 +35,6 @@ from ray.serve.deployment import Application
 from carpool.batching import BatchStats, PassRecord
 from carpool.errors import RequestError
 from carpool.http import MAX_BODY_BYTES, make_api
-from carpool.models import size_torch_threads
 from carpool.schemas import (
     EmbeddingData,
     EmbeddingRequest,
@@ -46,6 +45,7 @@ from carpool.schemas import (
     RerankUsage,
     Usage,
 )
+from carpool.threads import size_torch_threads
 from deployments.embedder import EmbedderConfig, TextEmbedder
 from deployments.ranker import CrossEncoderScorer, LlmPointwiseScorer, RankerConfig, sigmoid
 from pipelines.embed import encode_vector

@@ -237,7 +237,8 @@ def main(argv: list[str] | None = None) -> int:
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from carpool.models import resolve_model_source, size_torch_threads
+    from carpool.models import resolve_model_source
+    from carpool.threads import size_torch_threads
     from deployments.generator import GeneratorServer
 
     threads = size_torch_threads(None, args.threads)

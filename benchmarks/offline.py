@@ -104,7 +104,7 @@ def measure_offline_limit(
     import torch
     from tqdm import tqdm
 
-    from carpool.models import size_torch_threads
+    from carpool.threads import size_torch_threads
     from deployments.embedder import EmbedderConfig, TextEmbedder
 
     previous = torch.get_num_threads()

@@ -198,7 +198,8 @@ def measure_generation(args: Any) -> list[dict[str, Any]]:
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from benchmarks.generation_compare import PROMPTS, workload
-    from carpool.models import resolve_model_source, size_torch_threads
+    from carpool.models import resolve_model_source
+    from carpool.threads import size_torch_threads
 
     size_torch_threads(None, 1)
     path = resolve_model_source(args.gen_model)

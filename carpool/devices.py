@@ -16,6 +16,8 @@ what the engine can see does not say what the replica may use. The rule here:
 ``check_device`` is the rule, pure. ``place_replica`` applies it inside a replica with the
 probes (``ray.get_gpu_ids``, ``torch.cuda.is_available``, vLLM's platform) looked up at
 call time from ``PROBES``, so tests replace them and nothing here needs a GPU.
+``pick_device`` and ``pick_dtype`` turn ``source.device`` / ``source.dtype`` into what torch
+loads a model with.
 """
 
 from __future__ import annotations
@@ -24,6 +26,8 @@ import logging
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, Literal, TypeVar
+
+from carpool.errors import ModelSourceError
 
 logger = logging.getLogger(__name__)
 
@@ -171,3 +175,30 @@ def place_replica(config: C, engine: Engine, probes: DeviceProbes | None = None)
         )
     placed = source.model_copy(update={"device": device})
     return config.model_copy(update={"source": placed})  # type: ignore[attr-defined]
+
+
+def pick_device(requested: str = "auto") -> str:
+    """'auto' means CUDA when this process can see a GPU (Ray sets CUDA_VISIBLE_DEVICES)."""
+    import torch
+
+    if requested != "auto":
+        if requested.startswith("cuda") and not torch.cuda.is_available():
+            raise ModelSourceError(
+                f"device {requested!r} asked for but no CUDA device is visible; set device: auto "
+                "or give the deployment num_gpus > 0"
+            )
+        return requested
+    return "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def pick_dtype(requested: str, device: str) -> Any:
+    import torch
+
+    if requested == "auto":
+        if device.startswith("cuda"):
+            return torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float16
+        # Half precision on CPU is slower than fp32 and drifts more; keep fp32.
+        return torch.float32
+    return {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}[
+        requested
+    ]

@@ -1,4 +1,5 @@
-"""Errors a client caused, carried from any stage of a pipeline to its HTTP ingress."""
+"""Errors a client caused, carried from any stage of a pipeline to its HTTP ingress, and the
+error a replica's model settings cause when it starts (``ModelSourceError``)."""
 
 from __future__ import annotations
 
@@ -64,3 +65,7 @@ def find_request_error(exc: BaseException) -> RequestError | None:
         seen.add(id(current))
         current = getattr(current, "cause", None) or current.__cause__
     return None
+
+
+class ModelSourceError(ValueError):
+    """A model source that cannot be resolved; the message says what to install or change."""

@@ -1,4 +1,4 @@
-"""Where model weights come from, and how a replica puts them on its device.
+"""Where model weights come from, and how a replica loads them and pools their outputs.
 
 A model source is one string, so serve configs stay plain:
 
@@ -16,7 +16,6 @@ import hashlib
 import importlib.util
 import json
 import logging
-import math
 import os
 import shutil
 import tempfile
@@ -24,23 +23,14 @@ import threading
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Generic, TypeVar
+from typing import Any
 
-from carpool.threads import ThreadPolicy, make_thread_policy
+from carpool.devices import pick_device, pick_dtype
+from carpool.errors import ModelSourceError
 
 logger = logging.getLogger(__name__)
 
-if TYPE_CHECKING:
-    from carpool.config import ReplicaConfig
-
-P = TypeVar("P")
-R = TypeVar("R")
-
 PACKAGED_PREFIX = "packaged:"
-
-
-class ModelSourceError(ValueError):
-    """A model source that cannot be resolved; the message says what to install or change."""
 
 
 @dataclass(frozen=True)
@@ -353,89 +343,6 @@ def resolve_pooling(explicit: str | None, source: str | None, model_type: str | 
         "not a known encoder, so its pooling cannot be known; set the embedder's `pooling` to "
         f"one of {', '.join(POOLING_MODES)} (decoder embedders usually need lasttoken)"
     )
-
-
-# --- devices and threads -----------------------------------------------------------
-
-
-def pick_device(requested: str = "auto") -> str:
-    """'auto' means CUDA when this process can see a GPU (Ray sets CUDA_VISIBLE_DEVICES)."""
-    import torch
-
-    if requested != "auto":
-        if requested.startswith("cuda") and not torch.cuda.is_available():
-            raise ModelSourceError(
-                f"device {requested!r} asked for but no CUDA device is visible; set device: auto "
-                "or give the deployment num_gpus > 0"
-            )
-        return requested
-    return "cuda" if torch.cuda.is_available() else "cpu"
-
-
-def pick_dtype(requested: str, device: str) -> Any:
-    import torch
-
-    if requested == "auto":
-        if device.startswith("cuda"):
-            return torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float16
-        # Half precision on CPU is slower than fp32 and drifts more; keep fp32.
-        return torch.float32
-    return {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}[
-        requested
-    ]
-
-
-def size_torch_threads(num_cpus: float | None, explicit: int | None = None) -> int:
-    """Sets torch's intra-op threads to what the replica really has.
-
-    Without this every replica starts one thread per machine core and replicas that share
-    a node fight over cores (on 2 cores, 3 replicas x 2 threads thrash).
-    """
-    import torch
-
-    if explicit is not None:
-        threads = explicit
-    elif num_cpus is not None and num_cpus > 0:
-        threads = max(1, math.ceil(num_cpus))
-    else:
-        threads = max(1, os.cpu_count() or 1)
-    threads = min(threads, os.cpu_count() or threads)
-    torch.set_num_threads(threads)
-    return threads
-
-
-class ThreadedForward(Generic[P, R]):
-    """A model's blocking ``forward`` that sets torch's threads from a policy before each pass.
-
-    The count is set in the thread that runs the pass: OpenMP keeps the thread count per
-    calling thread, and passes run in worker threads (``asyncio.to_thread``).
-    """
-
-    def __init__(self, forward: Callable[[list[P]], list[R]], policy: ThreadPolicy) -> None:
-        import torch
-
-        self._torch = torch  # looked up once, not on every pass
-        self.forward = forward
-        self.policy = policy
-        self.last_threads: int | None = None
-
-    def __call__(self, batch: list[P]) -> list[R]:
-        threads = self.policy.threads()
-        if self._torch.get_num_threads() != threads:
-            self._torch.set_num_threads(threads)
-        self.last_threads = threads
-        return self.forward(batch)
-
-
-def threaded_forward(
-    forward: Callable[[list[P]], list[R]], replica: ReplicaConfig
-) -> Callable[[list[P]], list[R]]:
-    """Sizes torch's threads for ``replica`` and returns the forward its passes should call."""
-    reserved = size_torch_threads(replica.num_cpus, replica.torch_threads)
-    if replica.thread_policy == "reserved":
-        return forward
-    policy = make_thread_policy(replica.thread_policy, reserved, replica.max_torch_threads)
-    return ThreadedForward(forward, policy)
 
 
 # --- the multi-part Qwen wheels -------------------------------------------------------------

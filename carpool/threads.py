@@ -10,7 +10,8 @@ its own cgroup: on a shared node, other tenants' load is theirs to bound, and a 
 keeps ``reserved`` (only the single-box ``serve.yaml`` turns ``idle_cores`` on).
 
 Policies are plain objects (no torch, no Ray); the sampler is injected, so the arithmetic is
-tested with made-up samples. ``carpool.models.ThreadedForward`` applies the count.
+tested with made-up samples. ``size_torch_threads`` sizes torch's threads to the replica, and
+``ThreadedForward`` (``threaded_forward``) applies a policy's count before each pass.
 """
 
 from __future__ import annotations
@@ -19,9 +20,16 @@ import logging
 import math
 import os
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Protocol
+from typing import TYPE_CHECKING, Generic, Protocol, TypeVar
+
+if TYPE_CHECKING:
+    from carpool.config import ReplicaConfig
+
+P = TypeVar("P")
+R = TypeVar("R")
 
 # A window shorter than this says little about other processes' load (a scheduler tick is
 # 4 ms): the previous decision stands.
@@ -224,3 +232,56 @@ def make_thread_policy(
             return ReservedThreads(reserved)
         return IdleCoreThreads(reserved, ceiling or sampler.cores, sampler)
     raise ValueError(f"thread_policy {name!r} is not one of {list(THREAD_POLICIES)}")
+
+
+def size_torch_threads(num_cpus: float | None, explicit: int | None = None) -> int:
+    """Sets torch's intra-op threads to what the replica really has.
+
+    Without this every replica starts one thread per machine core and replicas that share
+    a node fight over cores (on 2 cores, 3 replicas x 2 threads thrash).
+    """
+    import torch
+
+    if explicit is not None:
+        threads = explicit
+    elif num_cpus is not None and num_cpus > 0:
+        threads = max(1, math.ceil(num_cpus))
+    else:
+        threads = max(1, os.cpu_count() or 1)
+    threads = min(threads, os.cpu_count() or threads)
+    torch.set_num_threads(threads)
+    return threads
+
+
+class ThreadedForward(Generic[P, R]):
+    """A model's blocking ``forward`` that sets torch's threads from a policy before each pass.
+
+    The count is set in the thread that runs the pass: OpenMP keeps the thread count per
+    calling thread, and passes run in worker threads (``asyncio.to_thread``).
+    """
+
+    def __init__(self, forward: Callable[[list[P]], list[R]], policy: ThreadPolicy) -> None:
+        import torch
+
+        self._torch = torch  # looked up once, not on every pass
+        self.forward = forward
+        self.policy = policy
+        self.last_threads: int | None = None
+
+    def __call__(self, batch: list[P]) -> list[R]:
+        threads = self.policy.threads()
+        if self._torch.get_num_threads() != threads:
+            self._torch.set_num_threads(threads)
+        self.last_threads = threads
+        return self.forward(batch)
+
+
+def threaded_forward(
+    forward: Callable[[list[P]], list[R]], replica: ReplicaConfig
+) -> Callable[[list[P]], list[R]]:
+    """Sizes torch's threads for ``replica`` and returns the forward its passes should call."""
+    reserved = size_torch_threads(replica.num_cpus, replica.torch_threads)
+    if replica.thread_policy == "reserved":
+        return forward
+    policy = make_thread_policy(replica.thread_policy, reserved, replica.max_torch_threads)
+    return ThreadedForward(forward, policy)

@@ -24,15 +24,11 @@ from carpool.admission import RequestControls
 from carpool.config import BatchingConfig, ModelSourceConfig, ReplicaConfig, StrictModel
 from carpool.devices import place_replica
 from carpool.errors import RequestError
-from carpool.models import (
-    load_pretrained,
-    resolve_pooling,
-    sentence_transformers_max_length,
-    threaded_forward,
-)
+from carpool.models import load_pretrained, resolve_pooling, sentence_transformers_max_length
 from carpool.priority import apply_replica_priority
 from carpool.server import BatchedModelServer
 from carpool.serving import ServeBatching, make_collector
+from carpool.threads import threaded_forward
 
 DEFAULT_EMBEDDER = "packaged:all-MiniLM-L6-v2"
 

@@ -28,10 +28,11 @@ from carpool.admission import RequestControls
 from carpool.config import BatchingConfig, ModelSourceConfig, ReplicaConfig, StrictModel
 from carpool.devices import place_replica
 from carpool.errors import RequestError
-from carpool.models import load_pretrained, threaded_forward
+from carpool.models import load_pretrained
 from carpool.priority import apply_replica_priority
 from carpool.server import BatchedModelServer
 from carpool.serving import ServeBatching, make_collector
+from carpool.threads import threaded_forward
 
 DEFAULT_RANKER = "packaged:SmolLM2-135M-Instruct"
 DEFAULT_LLM_PROMPT = (

@@ -76,7 +76,9 @@ def load_engine(cfg: Any, model: Any = None, tokenizer: Any = None) -> LoadedEng
     """Builds the engine a generator config names; ``model``/``tokenizer`` skip loading them."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from carpool.models import pick_device, pick_dtype, resolve_model_source, size_torch_threads
+    from carpool.devices import pick_device, pick_dtype
+    from carpool.models import resolve_model_source
+    from carpool.threads import size_torch_threads
 
     limits = SchedulerLimits(cfg.batching.max_num_seqs, cfg.batching.max_batch_tokens)
     path = (
@@ -124,9 +126,9 @@ def _load_vllm(cfg: Any, path: str, tokenizer: Any, limits: SchedulerLimits) -> 
     """
     from transformers import AutoConfig, GenerationConfig
 
+    from carpool.devices import pick_device
     from carpool.generation.vllm_engine import VllmEngine
     from carpool.generation.vllm_options import resolve_dtype
-    from carpool.models import pick_device
 
     model_config = AutoConfig.from_pretrained(path)
     max_seq_len = max_seq_len_for(cfg, model_config)

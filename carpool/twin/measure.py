@@ -425,7 +425,8 @@ def measure_model(spec: ModelSpec, opts: MeasureOptions) -> dict[str, Any]:
 
     import torch
 
-    from carpool.models import pick_dtype, sentence_transformers_max_length
+    from carpool.devices import pick_dtype
+    from carpool.models import sentence_transformers_max_length
 
     folder = locate(spec.source, opts.models_dir)
     if spec.kind == "encoder" and spec.max_length is None:

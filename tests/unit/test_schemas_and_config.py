@@ -6,9 +6,9 @@ import pytest
 from pydantic import ValidationError
 
 from carpool.config import BatchingConfig, ModelSourceConfig, ReplicaConfig
-from carpool.errors import RequestError, find_request_error
+from carpool.errors import ModelSourceError, RequestError, find_request_error
 from carpool.http import _describe_validation_error
-from carpool.models import ModelSourceError, resolve_model_source
+from carpool.models import resolve_model_source
 from carpool.schemas import EmbeddingRequest, RerankRequest
 from deployments.embedder import EmbedderConfig
 from pipelines.embed import EmbedArgs

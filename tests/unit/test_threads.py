@@ -277,7 +277,7 @@ def test_the_live_sampler_sees_this_process_compute() -> None:
 def test_threaded_forward_sets_the_count_in_the_thread_that_runs_the_pass() -> None:
     import torch
 
-    from carpool.models import ThreadedForward
+    from carpool.threads import ThreadedForward
 
     class Alternating:
         def __init__(self) -> None:
@@ -325,7 +325,7 @@ def test_an_embedder_on_idle_cores_returns_the_vectors_of_a_fixed_one(
     """The thread count may change from pass to pass; an item's vector must not."""
     import numpy as np
 
-    from carpool.models import ThreadedForward
+    from carpool.threads import ThreadedForward
     from deployments.embedder import EmbedderConfig, EmbeddingServer
     from tests.factories import build_tiny_models
 
