@@ -32,6 +32,13 @@ from carpool.devices import place_replica
 from carpool.errors import RequestError
 from carpool.generation.arrivals import ArrivalCollector, Ticket
 from carpool.generation.coalesce import StreamCoalescer
+from carpool.generation.config import (
+    DEADLINE_GRACE_S,
+    GenerationLimits,
+    GeneratorBatching,
+    GeneratorConfig,
+    graceful_shutdown_s,
+)
 from carpool.generation.factory import LoadedEngine, check_kv_budget, load_engine
 from carpool.generation.logprobs import TokenTexts, merge_records, raw_record
 from carpool.generation.prompts import PromptPlanner, Rendered
@@ -50,13 +57,6 @@ from carpool.generation.structured import (
 )
 from carpool.generation.vllm_env import check_replica_environment
 from carpool.priority import apply_replica_priority
-from deployments.generator_config import (
-    DEADLINE_GRACE_S,
-    GenerationLimits,
-    GeneratorBatching,
-    GeneratorConfig,
-    graceful_shutdown_s,
-)
 
 logger = logging.getLogger(__name__)
 

@@ -22,6 +22,7 @@ from carpool.calls import call_backend, call_idempotent, open_stream
 from carpool.config import IngressConfig, ModelSourceConfig, StrictModel
 from carpool.error_body import error_response
 from carpool.errors import RequestError, find_request_error
+from carpool.generation.config import DEFAULT_LARGE, DEFAULT_SMALL, GeneratorConfig
 from carpool.generation.logprobs import chat_logprobs, completion_logprobs
 from carpool.generation.responses import (
     ChatChoice,
@@ -42,7 +43,6 @@ from carpool.generation.tool_schemas import NamedToolChoice
 from carpool.generation.tools import ToolParser
 from carpool.http import ClosingStreamingResponse
 from carpool.schemas import ModelCard
-from deployments.generator_config import DEFAULT_LARGE, DEFAULT_SMALL, GeneratorConfig
 from pipelines.handler import PipelineHandler
 from router.server import RouterConfig
 

@@ -171,7 +171,7 @@ def effective_knobs(app: str, knobs: dict[str, Any]) -> dict[str, Any]:
     """serve.yaml's knobs over carpool's defaults: what the replica really runs with."""
     try:
         if app == "generate":
-            from deployments.generator_config import GeneratorBatching
+            from carpool.generation.config import GeneratorBatching
 
             return GeneratorBatching.model_validate(knobs).model_dump()
         from carpool.config import BatchingConfig

@@ -1,9 +1,8 @@
 """Picks and builds a generation engine by name: the one model-loading path of a generator.
 
-``load_engine`` reads a generator's config (``deployments.generator_config.GeneratorConfig``,
-duck-typed here so the product package does not import deployments), loads the tokenizer,
-and for carpool's own engines the transformers model (vLLM loads its weights itself), and
-returns the engine with what the server needs beside it. ``make_engine`` builds an engine
+``load_engine`` reads a generator's config (``carpool.generation.config.GeneratorConfig``),
+loads the tokenizer, and for carpool's own engines the transformers model (vLLM loads its
+weights itself), and returns the engine with what the server needs beside it. ``make_engine`` builds an engine
 around a model already in memory (scripts and tests).
 """
 
@@ -14,16 +13,12 @@ from dataclasses import dataclass
 from typing import Any
 
 from carpool.generation.assembly import EngineCore
+from carpool.generation.config import DEFAULT_MAX_SEQ_LEN, ENGINE_MODES, GeneratorConfig
 from carpool.generation.runner import kv_geometry
 from carpool.generation.scheduler import SchedulerLimits
 from carpool.generation.sequence import TokenizerInfo
 
 logger = logging.getLogger(__name__)
-
-ENGINE_MODES = ("continuous", "static", "vllm")
-# Longest sequence by default when the model allows more: bounds KV memory and prefill time
-# on CPU; raise limits.max_seq_len for long-context work.
-DEFAULT_MAX_SEQ_LEN = 2048
 
 
 @dataclass
@@ -59,7 +54,7 @@ def check_kv_budget(
     return need
 
 
-def max_seq_len_for(cfg: Any, model_config: Any) -> int:
+def max_seq_len_for(cfg: GeneratorConfig, model_config: Any) -> int:
     """The configured context limit, else the model's capped at ``DEFAULT_MAX_SEQ_LEN``."""
     if cfg.mode == "vllm" and cfg.vllm.max_model_len:
         return int(cfg.vllm.max_model_len)
@@ -72,7 +67,7 @@ def max_seq_len_for(cfg: Any, model_config: Any) -> int:
     return min(model_limit, DEFAULT_MAX_SEQ_LEN)
 
 
-def load_engine(cfg: Any, model: Any = None, tokenizer: Any = None) -> LoadedEngine:
+def load_engine(cfg: GeneratorConfig, model: Any = None, tokenizer: Any = None) -> LoadedEngine:
     """Builds the engine a generator config names; ``model``/``tokenizer`` skip loading them."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -117,7 +112,9 @@ def load_engine(cfg: Any, model: Any = None, tokenizer: Any = None) -> LoadedEng
     return LoadedEngine(engine, tokenizer, model, vocab_size, max_seq_len, bytes_per_token)
 
 
-def _load_vllm(cfg: Any, path: str, tokenizer: Any, limits: SchedulerLimits) -> LoadedEngine:
+def _load_vllm(
+    cfg: GeneratorConfig, path: str, tokenizer: Any, limits: SchedulerLimits
+) -> LoadedEngine:
     """mode 'vllm': vLLM loads and places the weights; this side keeps the tokenizer.
 
     No transformers model is loaded (on a GPU it would hold a second copy), and carpool's

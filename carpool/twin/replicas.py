@@ -288,7 +288,7 @@ class EncoderReplica:
         return done
 
 
-# deployments/generator_config.py: batch_wait_timeout_s, when a generator's config sets none.
+# carpool/generation/config.py: batch_wait_timeout_s, when a generator's config sets none.
 DEFAULT_GEN_COLLECT_S = 0.005
 
 

@@ -205,7 +205,7 @@ def test_a_budget_that_does_not_fit_is_refused_by_name() -> None:
 
 
 def test_a_generator_asking_vllm_for_more_than_its_gpu_share_is_refused() -> None:
-    from deployments.generator_config import GeneratorConfig
+    from carpool.generation.config import GeneratorConfig
 
     small = dict(_generators()["small"])
     GeneratorConfig.model_validate(small)

@@ -7,9 +7,13 @@ from typing import Any, Literal
 from pydantic import Field, model_validator
 
 from carpool.config import ModelSourceConfig, ReplicaConfig, StrictModel
-from carpool.generation.factory import DEFAULT_MAX_SEQ_LEN, ENGINE_MODES
 from carpool.generation.vllm_env import replica_python, replica_runtime_env, source_checkout
 from carpool.generation.vllm_options import VllmOptions
+
+ENGINE_MODES = ("continuous", "static", "vllm")
+# Longest sequence by default when the model allows more: bounds KV memory and prefill time
+# on CPU; raise limits.max_seq_len for long-context work.
+DEFAULT_MAX_SEQ_LEN = 2048
 
 DEFAULT_SMALL = "packaged:SmolLM2-135M-Instruct"
 DEFAULT_LARGE = "packaged:Qwen2.5-Coder-0.5B-Instruct"
