@@ -2,8 +2,8 @@
 
 MiniLM (the packaged embedder) forward passes of 32 x 64 tokens on one torch thread, forever,
 printing items/s every 10 s. Put it on a core with ``taskset -c N`` beside an engine pinned to
-another (benchmarks/PEERS.md, "Status 2026-11-28, 02:15": whether the work on the other core,
-not the CPU share, slows vLLM's steps).
+another (benchmarks/PEERS.md, "Where the CPU goes with both at once": whether the work on
+the other core, not the CPU share, slows vLLM's steps).
 """
 
 import time

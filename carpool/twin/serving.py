@@ -4,7 +4,8 @@ A bare forward pass (``carpool.twin.measure``) is not what a serving replica pay
 pass also builds its tensors from the request's ids, runs in a worker thread beside the
 replica's event loop (which shares the GIL with it between kernels) and shares the host with
 Serve's proxy, the ingress and the client. On a 2-core machine a replica's passes took
-1.13-1.45x their bare price (benchmarks/TWIN.md, run 8). This command keeps the profile's
+1.13-1.45x their bare price (benchmarks/TWIN.md, "A pass costs more in a serving replica
+than bare"). This command keeps the profile's
 grid and measures each point as the replica runs it: one client sends ``rows`` inputs of
 ``length`` token ids each (the embeddings API takes ids), one request at a time, and the
 replica's own pass totals (``/v1/stats``: passes, padded tokens, forward ms) give the

@@ -334,8 +334,9 @@ def test_replica_niceness_is_bounded_and_off_by_default() -> None:
 
 @pytest.mark.parametrize("path", SHIPPED_CONFIGS)
 def test_no_shipped_config_lowers_a_model_replica(path: str) -> None:
-    # Opt-in only (README, "A model that yields"): a lowered model starves while others
-    # keep every core busy. Ingress niceness (IngressConfig.cpu_niceness) is another field.
+    # Opt-in only (docs/configuration.md, "A model that yields"): a lowered model starves while
+    # others keep every core busy. Ingress niceness (IngressConfig.cpu_niceness) is another
+    # field.
     def replicas(node: object) -> list[dict]:
         if isinstance(node, dict):
             found = [node["replica"]] if isinstance(node.get("replica"), dict) else []
