@@ -343,7 +343,7 @@ async def call_idempotent(stage: str, make_call: Callable[[], Awaitable[T]]) -> 
 
 def _refusable(stage: str, make_call: Callable[[], Awaitable[T]]) -> Awaitable[T]:
     # A replica's overload refusal comes before it does any work: another replica with room
-    # gets the request instead (carpool/refusals.py), and the downstream call is cancelled
+    # gets the request instead (call_refusable, above), and the downstream call is cancelled
     # with its caller.
     return call_refusable(
         lambda: await_or_cancel(make_call()),

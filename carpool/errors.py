@@ -35,7 +35,7 @@ class RequestError(Exception):
         self.code = code
         self.retry_after_s = retry_after_s
         # Which replica refused an overload ("app/deployment" and its id): its callers then
-        # know that replica is full, not the stage (carpool/refusals.py). Set where the
+        # know that replica is full, not the stage (carpool/calls.py). Set where the
         # refusal is raised inside a Serve replica; None elsewhere or when passed None.
         if replica is _AUTO:
             replica = None
