@@ -367,7 +367,7 @@ def _features(router: Any, prompt: str, max_tokens: int) -> Any:
 
 
 def _bare_router(config: dict[str, Any] | None = None) -> Any:
-    from router.server import RouterServer
+    from router.core import RouterServer
 
     return RouterServer(config or {"policy": "threshold"}, {"small": _NoClient()})
 
@@ -501,7 +501,7 @@ def _warm_predictor(router: Any) -> None:
 
 
 def _lane_router(server: Any, in_flight: int, lanes_enabled: bool, aging: float) -> Any:
-    from router.server import RouterServer
+    from router.core import RouterServer
 
     router = RouterServer(
         {

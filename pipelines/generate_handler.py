@@ -44,7 +44,7 @@ from carpool.generation.tools import ToolParser
 from carpool.http import ClosingStreamingResponse
 from carpool.schemas import ModelCard
 from pipelines.handler import PipelineHandler
-from router.server import RouterConfig
+from router.config import RouterConfig
 
 logger = logging.getLogger(__name__)
 

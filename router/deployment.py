@@ -1,4 +1,4 @@
-"""The router in Serve: ``router.server.RouterServer`` hosted by the generate app's ingress.
+"""The router in Serve: ``router.core.RouterServer`` hosted by the generate app's ingress.
 
 ``HostedRouter`` binds the router to the generate app's ``small`` and ``large`` generator
 handles; ``model: "auto"`` is decided in the ingress replica that received the request, with
@@ -27,14 +27,9 @@ from carpool.calls import (
     open_stream,
 )
 from router.choice import LARGE, SMALL
+from router.config import RouterConfig
+from router.core import FALLBACK_PER_REPLICA, GeneratorClient, RouterServer, share_of_cap
 from router.length import PredictorStore
-from router.server import (
-    FALLBACK_PER_REPLICA,
-    GeneratorClient,
-    RouterConfig,
-    RouterServer,
-    share_of_cap,
-)
 
 logger = logging.getLogger(__name__)
 

@@ -2,11 +2,11 @@
 
 A request goes through the serving path's CPU stages (``Overheads.path``, from
 ``carpool.twin.path``: the node's HTTP process, its pipeline's ingress replicas), a fixed
-serving latency (hops, serialisation), the router when it asks for ``model: auto`` (length
-prediction, lanes, model choice and the small/large cascade, all carpool's own
-``router.server.RouterServer`` objects), then a deployment's replicas, picked the way Serve's
-router does (the less loaded of two, within ``max_ongoing_requests``; beyond that requests
-queue in the handle up to ``max_queued_requests``). Replicas are ``carpool.twin.replicas``:
+serving latency (hops, serialisation), the router when it asks for ``model: auto`` (the
+router's own flow, ``router.core.RouterServer``'s ``plan`` / ``after_answer`` / ``finish`` and
+its ``router.gate`` admission, driven by events), then a deployment's replicas, picked the way
+Serve's router does (the less loaded of two, within ``max_ongoing_requests``; beyond that
+requests queue in the handle up to ``max_queued_requests``). Replicas are ``carpool.twin.replicas``:
 carpool's admission, executor planning and step scheduler, with profile-priced passes.
 
 Load is open (a list of ``(arrival_s, SimRequest)``, e.g. Poisson or a trace) or closed
@@ -26,10 +26,10 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from carpool.errors import RequestError
 from carpool.twin.replicas import EncoderReplica, GeneratorReplica, SimRequest, Work
 from router.choice import LARGE, SMALL, SmallOutcome
-from router.lanes import ShortestFirstQueue
-from router.server import RouterServer
+from router.core import RouterServer, share_of_cap
 
 Replica = EncoderReplica | GeneratorReplica
 
@@ -120,16 +120,6 @@ class _Stage:
         return self.free_at[i]
 
 
-class _Gate:
-    """The router's bounded in-flight requests to one model, admitted shortest-first."""
-
-    def __init__(self, limit: int, aging: float, fifo: bool) -> None:
-        self.limit = limit
-        self.in_flight = 0
-        self.queue: ShortestFirstQueue[Callable[[], None]] = ShortestFirstQueue(aging)
-        self.fifo = fifo
-
-
 @dataclass
 class SimResult:
     """Figures over the measured window (after ``warmup_s``)."""
@@ -177,17 +167,17 @@ class Twin:
         self.overheads = overheads or Overheads()
         self.rng = random.Random(seed)
         self.router: RouterServer | None = None
-        self.gates: dict[str, _Gate] = {}
         if router is not None and SMALL in pools:
             clients = {m: None for m in (SMALL, LARGE) if m in pools}
             config = {**router, "predictor_snapshot": None}
-            self.router = RouterServer(config, clients)  # type: ignore[arg-type]
-            c = self.router.config
-            for m in clients:
+            per_replica = config.get("max_in_flight_per_replica") or {}
+
+            def cap(model: str) -> int:
                 # Not listed: the deployment's own max_ongoing_requests, as the router does.
-                per = c.max_in_flight_per_replica.get(m) or pools[m].max_ongoing_requests
-                limit = per * len(pools[m].replicas)
-                self.gates[m] = _Gate(limit, c.aging_tokens_per_s, not c.lanes_enabled)
+                per = per_replica.get(model) or pools[model].max_ongoing_requests
+                return share_of_cap(per, len(pools[model].replicas), None)
+
+            self.router = RouterServer(config, clients, caps=cap)  # type: ignore[arg-type]
         self._events: list[tuple[float, int, Callable[[], None]]] = []
         self._seq = itertools.count()
         self.now = 0.0
@@ -254,61 +244,61 @@ class Twin:
         self._submit(self.pools[pool], req, lambda status: self._answer(rec, status, done), rec)
 
     def _route(self, rec: Record, done: Callable[[Record], None] | None) -> None:
-        """``model: auto``: carpool's router decides, lanes gate, the cascade may escalate."""
+        """``model: auto``: the router's own flow (``RouterServer.plan``, its gates,
+        ``after_answer``, ``finish``), driven by events instead of coroutines."""
         assert self.router is not None
         router, req = self.router, rec.req
         call = {
             "prompts": [req.text or "x" * (4 * req.prompt_tokens)],
             "max_tokens": req.max_tokens,
         }
-        features = router.features(call)
-        predicted = router.predictor.predict(features)
-        lane = router.lanes.assign(predicted)
-        decision = router.decide(features, predicted, "auto")
-        tier = "batch" if req.priority == "batch" else "interactive"
+        route = router.plan(call, tier="batch" if req.priority == "batch" else "interactive")
 
-        def finished(model: str, status: int) -> None:
-            escalate = False
-            if status == 200 and decision.cascade and model == SMALL:
-                cut = req.produced >= req.max_tokens
-                outcome = SmallOutcome(
-                    [], [req.small_mean_logprob] * req.produced, "length" if cut else "stop"
-                )
-                escalate, _ = router.cascade.should_escalate(outcome)
-                router.learner.observe(features, escalate)
-            if escalate and LARGE in self.pools:
-                rec.escalated = True
-                run(LARGE)
-                return
-            if status == 200:
-                router.predictor.observe(features, req.produced)
-            rec.model = model
-            self._answer(rec, status, done)
+        def outcome() -> SmallOutcome:
+            cut = req.produced >= req.max_tokens
+            return SmallOutcome(
+                [], [req.small_mean_logprob] * req.produced, "length" if cut else "stop"
+            )
 
-        def run(model: str) -> None:
-            gate = self.gates[model]
+        def call_model() -> None:
+            gate = router.gate(route)
+            waited = self.now
 
             def submit() -> None:
+                started = self.now
+
                 def left(status: int) -> None:
-                    gate.in_flight -= 1
-                    if len(gate.queue) and gate.in_flight < gate.limit:
-                        # The next one goes as its own event: a refusal answered at once
-                        # must not recurse through the whole waiting line.
-                        gate.in_flight += 1
-                        self.at(self.now, gate.queue.pop())
-                    finished(model, status)
+                    tokens = req.produced if status == 200 else 0
+                    gate.leave(route.predicted, tokens, self.now - started)
+                    answered(status, (started - waited) * 1000)
 
-                self._submit(self.pools[model], req, left, rec)
+                self._submit(self.pools[route.model], req, left, rec)
 
-            if gate.in_flight < gate.limit and not len(gate.queue):
-                gate.in_flight += 1
+            def granted() -> bool:
+                self.at(self.now, submit)  # an event: a refusal must not recurse down the line
+                return True
+
+            try:
+                admitted = gate.take(
+                    route.predicted, route.tier, route.lane.name, self.now, granted
+                )
+            except RequestError as refused:  # the lane is full
+                answered(refused.status_code, 0.0)
+                return
+            if admitted is None:
                 submit()
-            else:
-                key = 0.0 if gate.fifo else predicted
-                gate.queue.push(submit, key, self.now, tier)  # type: ignore[arg-type]
 
-        del lane  # a lane with its own target would name a pool; serve configs share one
-        run(decision.model)
+        def answered(status: int, queue_ms: float) -> None:
+            if status == 200 and router.after_answer(route, outcome):
+                rec.escalated = True
+                call_model()
+                return
+            if status == 200:
+                router.finish(route, req.produced, queue_ms)
+            rec.model = route.model
+            self._answer(rec, status, done)
+
+        call_model()
 
     def _submit(
         self, pool: Pool, req: SimRequest, reply: Callable[[int], None], rec: Record

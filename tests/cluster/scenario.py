@@ -147,7 +147,7 @@ def main() -> int:
     from ray.cluster_utils import Cluster
     from ray.util.state import list_actors
 
-    from router.server import share_of_cap
+    from router.core import share_of_cap
     from tests.conftest import deploy_declaratively
     from tests.factories import build_tiny_models
 
@@ -196,7 +196,7 @@ def main() -> int:
                 res = (args[role].get("replica") or {}).get("resources") or {}
                 if "carpool_gpu_node" in res:
                     wanted[f"ServeReplica:{app['name']}:{role}"] = "worker"
-        for role in ("retriever", "router"):
+        for role in ("retriever",):  # the router runs in generate's ingress: its app's rule
             res = (args.get(role) or {}).get("resources") or {}
             if "carpool_head_node" in res:
                 wanted[f"ServeReplica:{app['name']}:{role}"] = "head"
@@ -227,10 +227,11 @@ def main() -> int:
 
     wait_for(answered, 120, "a first auto completion")
     assert small_running() == 1, f"small starts with {small_running()} replicas, not 1"
-    router = serve.get_deployment_handle("router", "generate")
+    # The router runs inside each generate_ingress replica (serve-gpu.yaml: 2 of them).
+    router = serve.get_deployment_handle("generate_ingress", "generate")
 
     def small_caps() -> set[int]:
-        return {router.stats.remote().result()["in_flight_caps"]["small"] for _ in range(8)}
+        return {router.route_stats.remote().result()["in_flight_caps"]["small"] for _ in range(8)}
 
     # 2. Auto load scales small out.
     load = Load(base, clients=10).start()
@@ -263,19 +264,21 @@ def main() -> int:
     assert len(served) == 2, f"small work by replica: {served}"
     assert min(served.values()) >= total / 3, f"one small replica took too little: {served}"
 
-    # Each router replica's cap for small is Serve's per-replica limit x small's 2 replicas,
-    # split between the 2 router replicas: read live from Serve's controller.
+    # Each router's cap for small is Serve's per-replica limit x small's 2 replicas, split
+    # between the 2 generate_ingress replicas hosting a router: read live from Serve's
+    # controller.
     generate = next(a for a in config["applications"] if a["name"] == "generate")
     limit = next(d for d in generate["deployments"] if d["name"] == "small")
     expected = share_of_cap(limit["max_ongoing_requests"], 2, 2)
     report["router_small_caps"] = sorted(small_caps())
     assert report["router_small_caps"] == [expected], (report["router_small_caps"], expected)
 
-    # The two router replicas predict from all of it: their length predictors merge.
+    # The two routers (one per ingress replica) predict from all of it: their length
+    # predictors merge through the ingress deployment's actor.
     answered_auto = sum(1 for _, status, _ in statuses if status == 200)
 
     def merged() -> list[int]:
-        seen = [router.stats.remote().result()["predictor_observations"] for _ in range(12)]
+        seen = [router.route_stats.remote().result()["predictor_observations"] for _ in range(12)]
         return seen if min(seen) >= answered_auto else []
 
     report["router_predictor_observations"] = sorted(set(wait_for(merged, 30, "merged")))

@@ -7,8 +7,8 @@ import random
 import pytest
 
 from carpool.aging import DEFAULT_AGING_TOKENS_PER_S, DEFAULT_TIER_PENALTY_TOKENS, aging_key
+from router.config import RouterConfig
 from router.lanes import ShortestFirstQueue
-from router.server import RouterConfig
 
 
 def _requests(seed: int, count: int = 300) -> list[tuple[int, float, float, str]]:

@@ -11,7 +11,7 @@ from typing import Any
 
 import pytest
 
-from router.server import RouterServer
+from router.core import RouterServer
 
 TOKENS = 20
 TOKEN_S = 0.02  # each token takes this long, so a whole answer takes TOKENS * TOKEN_S

@@ -16,13 +16,13 @@ import pytest
 from carpool.admission import _CONTROLS, RequestControls
 from carpool.calls import await_within_deadline
 from carpool.errors import RequestError
+from router.gate import Gate
 from router.lanes import ShortestFirstQueue
-from router.server import _Gate
 
 
 def test_router_gate_cancelled_as_its_slot_is_granted_gives_the_slot_back() -> None:
     async def main() -> None:
-        gate = _Gate(1, ShortestFirstQueue())
+        gate = Gate(1, ShortestFirstQueue())
         await gate.enter(10, "interactive")  # holds the only slot
         waiter = asyncio.create_task(
             gate.enter(10, "interactive", deadline=time.time() + 30, lane="short")
@@ -40,7 +40,7 @@ def test_router_gate_cancelled_as_its_slot_is_granted_gives_the_slot_back() -> N
 
 def test_router_gate_still_gives_up_at_the_deadline_with_504() -> None:
     async def main() -> None:
-        gate = _Gate(1, ShortestFirstQueue())
+        gate = Gate(1, ShortestFirstQueue())
         await gate.enter(10, "interactive")
         with pytest.raises(RequestError) as info:
             await gate.enter(10, "interactive", deadline=time.time() + 0.05)

@@ -25,8 +25,8 @@ from carpool.errors import RequestError
 from carpool.generation.scheduler import PriorityQueue
 from carpool.http import make_api
 from deployments.embedder import EmbedderConfig, EmbeddingServer
+from router.gate import Gate
 from router.lanes import ShortestFirstQueue
-from router.server import _Gate
 
 
 class _CountingModel:
@@ -190,7 +190,7 @@ def test_priority_queue_admits_interactive_first_then_fcfs() -> None:
 
 def test_router_gate_gives_up_at_the_deadline_and_keeps_its_accounting() -> None:
     async def main() -> None:
-        gate = _Gate(1, ShortestFirstQueue(50.0))
+        gate = Gate(1, ShortestFirstQueue(50.0))
         await gate.enter(10, "interactive")  # holds the only slot
         with pytest.raises(RequestError) as info:
             await gate.enter(10, "interactive", deadline=time.time() + 0.05)
@@ -241,7 +241,7 @@ def test_ingress_reads_headers_and_times_out_downstream_calls_with_504() -> None
 
 def test_router_lanes_are_bounded_per_lane_and_tier() -> None:
     async def main() -> None:
-        gate = _Gate(1, ShortestFirstQueue(50.0), max_queued_per_lane=2)
+        gate = Gate(1, ShortestFirstQueue(50.0), max_queued_per_lane=2)
         await gate.enter(10, "interactive", lane="short")  # takes the only slot
         waiters = [
             asyncio.create_task(gate.enter(10, "interactive", lane="short")) for _ in range(2)

@@ -1,6 +1,8 @@
 """The product's import graph: no module-level import cycle, and no product module reaches
 into the benchmark harness (issue 25: the engine factory once sat in the interface file and
-made a circle with the vLLM adapter; benchmark code once lived in carpool/generation/)."""
+made a circle with the vLLM adapter; benchmark code once lived in carpool/generation/), and
+nothing under carpool/ imports the floors above it: router/, pipelines/, deployments/ (issue
+44), the twin's use of router/ excepted until the twin has a package of its own."""
 
 from __future__ import annotations
 
@@ -143,6 +145,43 @@ def _all_imports(path: Path) -> set[str]:
         elif isinstance(node, ast.ImportFrom) and node.module and not node.level:
             found.add(node.module)
     return found
+
+
+# Upper floors: carpool/ is the ground floor they build on, so it imports none of them.
+UPPER = ("router", "pipelines", "deployments")
+# The twin simulates the router by running the router's own flow (router.core), so for now it
+# may import router; it is to move to a package of its own above router/ (issue 44). No other
+# exception: anything else under carpool/ importing an upper floor is an arrow the wrong way.
+MAY_IMPORT_UPPER = {"carpool.twin": ("router",)}
+
+
+def _allowed(module: str, target: str) -> bool:
+    return any(
+        (module == where or module.startswith(f"{where}.")) and target in floors
+        for where, floors in MAY_IMPORT_UPPER.items()
+    )
+
+
+def test_the_ground_floor_imports_no_upper_floor() -> None:
+    offenders = sorted(
+        f"{name} -> {imported}"
+        for name, path in product_modules().items()
+        if name.split(".")[0] == "carpool"
+        for imported in _all_imports(path)
+        if imported.split(".")[0] in UPPER and not _allowed(name, imported.split(".")[0])
+    )
+    assert not offenders, f"carpool/ imports an upper floor: {offenders}"
+
+
+def test_the_twin_exception_is_still_needed_and_is_only_the_router() -> None:
+    """The allowance must not outlive its reason, nor stretch to pipelines or deployments."""
+    twin = {
+        imported.split(".")[0]
+        for name, path in product_modules().items()
+        if name == "carpool.twin" or name.startswith("carpool.twin.")
+        for imported in _all_imports(path)
+    }
+    assert twin & set(UPPER) == {"router"}
 
 
 # --- the benchmark harness and the dashboards (issue 44) --------------------------------------

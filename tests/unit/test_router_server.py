@@ -8,7 +8,8 @@ from typing import Any
 
 import pytest
 
-from router.server import RouterConfig, RouterServer
+from router.config import RouterConfig
+from router.core import RouterServer
 
 
 class FakeGenerator:

@@ -15,9 +15,10 @@ from carpool.admission import RequestControls, SlotQueue, slot_refusal
 from carpool.calls import RefusalMemory, call_refusable
 from carpool.errors import RequestError, find_request_error
 from carpool.topology import LiveReplicas, parse_serve_details
+from router.config import RouterConfig
+from router.core import RouterServer, share_of_cap
 from router.features import extract_features
 from router.length import LengthPredictor, PredictorStore
-from router.server import RouterConfig, RouterServer, share_of_cap
 from tests.unit.test_router_server import FakeGenerator, _call
 
 

@@ -252,7 +252,7 @@ def test_the_routers_prediction_reaches_the_sequences(
     import asyncio
 
     from carpool.generation.schemas import GenerationCall
-    from router.server import RouterServer
+    from router.core import RouterServer
     from tests.factories import build_tiny_models
     from tests.unit.test_router_server import FakeGenerator
 

@@ -14,7 +14,7 @@ from typing import Any
 import httpx
 import pytest
 
-from router.server import RouterServer
+from router.core import RouterServer
 from tests.vllm.conftest import generator_config
 from tests.vllm.loop import run
 
