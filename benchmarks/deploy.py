@@ -145,7 +145,7 @@ def carpool_embed_args(resources: Resources, batching: dict[str, Any] | None = N
     replica = dict(embedder.get("replica") or {})
     # The suite compares batching strategies at equal threads: the baselines cannot take
     # idle cores, so carpool's thread_policy is pinned to the same fixed count here (the
-    # peers comparison, benchmarks/peers.py, runs serve.yaml's idle_cores as shipped).
+    # peers comparison, benchmarks/peers/, runs serve.yaml's idle_cores as shipped).
     replica.update(
         num_cpus=resources.num_cpus, torch_threads=resources.torch_threads, thread_policy="reserved"
     )

@@ -26,7 +26,7 @@ INSTALL_HINT = (
 )
 
 # KV cache of a CPU engine when the config gives none (GiB): what the vLLM peer measurements
-# used (benchmarks/peers.py), room for 16 x 2048-token SmolLM2 sequences many times over.
+# used (benchmarks/peers/), room for 16 x 2048-token SmolLM2 sequences many times over.
 DEFAULT_CPU_KV_GIB = 4
 
 
