@@ -6,7 +6,8 @@ The serving router (``RouterServer.generate`` over fake async generators) and th
 own world: the async one reads a generator's answer dict, the twin a ``SimRequest``. This test
 feeds both the same requests (varied prompts, ``max_tokens``, small answers that are cut off,
 unsure or fine) and checks, request by request, the model, lane, predicted length, escalation
-and reason, and at the end the length predictor's and the escalation learner's learned state.
+and reason, the models called in order, and at the end the length predictor's and the
+escalation learner's learned state.
 A change to either driver's flow (the cascade's condition, what the predictor learns, when
 the learner learns) makes them disagree here.
 """
@@ -67,10 +68,11 @@ class Answers:
     """A generator answering the request in hand as the twin's replicas do: ``produced``
     tokens, cut off when that is ``max_tokens``, at small's mean log-probability."""
 
-    def __init__(self, name: str, current: list[SimRequest]) -> None:
-        self.name, self.current = name, current
+    def __init__(self, name: str, current: list[SimRequest], called: list[str]) -> None:
+        self.name, self.current, self.called = name, current, called
 
     async def generate(self, call: dict[str, Any]) -> dict[str, Any]:
+        self.called.append(self.name)
         req = self.current[0]
         cut = req.produced >= req.max_tokens
         return {
@@ -95,9 +97,22 @@ class Recorder:
         self.records.append({k: v for k, v in record.items() if k != "queue_ms"})
 
 
-def run_router(config: dict[str, Any], reqs: list[SimRequest]) -> tuple[RouterServer, Recorder]:
+class CallsTwin(Twin):
+    """The twin, noting which model each submission goes to."""
+
+    called: list[str]
+
+    def _submit(self, pool: Any, req: Any, reply: Any, rec: Any) -> None:
+        self.called.append(pool.name)
+        super()._submit(pool, req, reply, rec)
+
+
+def run_router(
+    config: dict[str, Any], reqs: list[SimRequest]
+) -> tuple[RouterServer, Recorder, list[str]]:
     current: list[SimRequest] = []
-    clients = {m: Answers(m, current) for m in ("small", "large")}
+    called: list[str] = []
+    clients = {m: Answers(m, current, called) for m in ("small", "large")}
     router = RouterServer({**config, "predictor_snapshot": None}, clients)  # type: ignore[arg-type]
     recorder = Recorder()
     router.listeners.append(recorder)
@@ -108,10 +123,12 @@ def run_router(config: dict[str, Any], reqs: list[SimRequest]) -> tuple[RouterSe
             await router.generate(call_of(req))
 
     asyncio.run(main())
-    return router, recorder
+    return router, recorder, called
 
 
-def run_twin(config: dict[str, Any], reqs: list[SimRequest], seed: int) -> tuple[Twin, Recorder]:
+def run_twin(
+    config: dict[str, Any], reqs: list[SimRequest], seed: int
+) -> tuple[CallsTwin, Recorder]:
     entry = {
         "kind": "generator",
         "prefill": {"fits": {"line": {"coef": {"const": 5.0, "tokens": 0}}}, "use": "line"},
@@ -121,7 +138,8 @@ def run_twin(config: dict[str, Any], reqs: list[SimRequest], seed: int) -> tuple
     pools = {
         m: Pool(m, [GeneratorReplica(m, {"max_num_seqs": 8}, entry)]) for m in ("small", "large")
     }
-    twin = Twin(pools, router=config, seed=seed)
+    twin = CallsTwin(pools, router=config, seed=seed)
+    twin.called = []
     assert twin.router is not None
     recorder = Recorder()
     twin.router.listeners.append(recorder)
@@ -143,7 +161,7 @@ CONFIGS = {
 def test_the_twin_routes_auto_as_the_router_does(name: str, seed: int) -> None:
     config = CONFIGS[name]
     reqs = requests(seed, 120)
-    router, served = run_router(config, reqs)
+    router, served, called = run_router(config, reqs)
     twin, simulated = run_twin(config, reqs, seed)
 
     assert len(served.records) == len(simulated.records) == len(reqs)
@@ -151,6 +169,7 @@ def test_the_twin_routes_auto_as_the_router_does(name: str, seed: int) -> None:
         assert sim == real, f"request {i} ({reqs[i].text!r}, max_tokens {reqs[i].max_tokens})"
     assert [r.model for r in twin.records] == [r["model"] for r in served.records]
     assert [r.escalated for r in twin.records] == [r["escalated"] for r in served.records]
+    assert twin.called == called  # small then large for each escalation, in the same order
 
     assert twin.router is not None
     real_state, sim_state = router.predictor.state(), twin.router.predictor.state()
