@@ -5,7 +5,7 @@ handles; ``model: "auto"`` is decided in the ingress replica that received the r
 no router deployment in between (docs/ingress.md, hops per URL). Serve-side only: its caps
 follow the live replicas of each model and of the hosting deployment (``carpool.topology``),
 a replica's overload refusal is tried on another replica of the same model
-(``carpool.refusals``), its length predictor merges with the other hosting replicas' through
+(``carpool.calls``), its length predictor merges with the other hosting replicas' through
 a deployment-scoped actor, and its decisions go to Ray metrics.
 """
 
@@ -93,7 +93,7 @@ class _HandleClient:
     """Adapts a generator DeploymentHandle to the GeneratorClient protocol.
 
     A replica's overload refusal (decided before it generates anything) is tried on another
-    replica of the same model while one has room (carpool/refusals.py).
+    replica of the same model while one has room (carpool/calls.py).
     """
 
     def __init__(self, handle: Any, live: LiveCount = no_live_counts) -> None:

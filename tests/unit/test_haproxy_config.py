@@ -155,10 +155,10 @@ ROOT = Path(__file__).resolve().parents[2]
 
 def start_environment(command: str) -> dict[str, str]:
     """The environment a cluster.yaml start command gives `ray start`, by running everything
-    before it (with this venv's Python standing in for the nodes' ~/carpool/.venv)."""
-    before, sep, _ = command.partition("~/carpool/.venv/bin/ray start")
+    before it (with this venv's Python standing in for the image's `python`)."""
+    before, sep, _ = command.partition("ray start")
     assert sep, command
-    script = before.replace("~/carpool/.venv/bin/python", sys.executable) + " env -0"
+    script = before.replace("python -m carpool", f"{sys.executable} -m carpool") + " env -0"
     env = {k: v for k, v in os.environ.items() if not k.startswith(("RAY_SERVE", "CARPOOL_"))}
     out = subprocess.run(
         ["bash", "-c", script], capture_output=True, check=True, env=env, cwd=ROOT
