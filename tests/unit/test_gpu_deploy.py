@@ -19,6 +19,7 @@ import yaml
 
 from carpool import cuda_driver
 from carpool.generation.vllm_options import GIB, VllmOptions, engine_args, gpu_budget_problem
+from tests.unit.test_cluster_config import _make_target
 
 ROOT = Path(__file__).resolve().parents[2]
 KUBERAY = ROOT / "docs" / "kuberay"
@@ -43,19 +44,8 @@ def _cluster() -> dict[str, Any]:
     return yaml.safe_load((ROOT / "cluster.yaml").read_text())
 
 
-def _makefile_recipe(target: str) -> list[str]:
-    lines = (ROOT / "Makefile").read_text().splitlines()
-    start = next(i for i, line in enumerate(lines) if line.startswith(f"{target}:"))
-    body = []
-    for line in lines[start + 1 :]:
-        if not line.startswith("\t"):
-            break
-        body.append(line.strip())
-    return body
-
-
 def _gpu_node_recipe() -> list[str]:
-    return _makefile_recipe("gpu-node") + _makefile_recipe("$(GPU_INSTALLED)")
+    return _make_target("gpu-node") + _make_target("$(GPU_INSTALLED)")
 
 
 def _dockerfile() -> str:

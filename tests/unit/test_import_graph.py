@@ -7,6 +7,7 @@ nothing under carpool/ imports the floors above it: router/, pipelines/, deploym
 from __future__ import annotations
 
 import ast
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -71,12 +72,14 @@ def module_level_imports(name: str, path: Path) -> set[str]:
     return found
 
 
-def graph() -> dict[str, set[str]]:
-    modules = product_modules()
+def edges_between(
+    modules: dict[str, Path], imports: Callable[[str, Path], set[str]]
+) -> dict[str, set[str]]:
+    """Which of ``modules`` each one imports (as ``imports`` reads them)."""
     edges: dict[str, set[str]] = {}
     for name, path in modules.items():
         targets = set()
-        for imported in module_level_imports(name, path):
+        for imported in imports(name, path):
             # "from pkg import mod" names a module; "from mod import func" names the module.
             while imported and imported not in modules:
                 imported = imported.rpartition(".")[0]
@@ -84,6 +87,10 @@ def graph() -> dict[str, set[str]]:
                 targets.add(imported)
         edges[name] = targets
     return edges
+
+
+def graph() -> dict[str, set[str]]:
+    return edges_between(product_modules(), module_level_imports)
 
 
 def find_cycle(edges: dict[str, set[str]]) -> list[str] | None:
@@ -227,17 +234,7 @@ def every_import(name: str, path: Path) -> set[str]:
 
 
 def harness_graph() -> dict[str, set[str]]:
-    modules = harness_modules()
-    edges: dict[str, set[str]] = {}
-    for name, path in modules.items():
-        targets = set()
-        for imported in every_import(name, path):
-            while imported and imported not in modules:
-                imported = imported.rpartition(".")[0]
-            if imported and imported != name:
-                targets.add(imported)
-        edges[name] = targets
-    return edges
+    return edges_between(harness_modules(), every_import)
 
 
 def test_the_harness_graph_sees_deferred_and_submodule_imports() -> None:

@@ -329,7 +329,7 @@ def test_router_handle_maps_a_generators_calls_onto_the_hosting_ingress() -> Non
         def __init__(self, opts: dict | None = None) -> None:
             self.opts = opts or {}
 
-        def options(self, **kwargs: object) -> "Ingress":
+        def options(self, **kwargs: object) -> Ingress:
             return Ingress(kwargs)
 
         def __getattr__(self, name: str) -> str:
