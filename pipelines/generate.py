@@ -39,11 +39,11 @@ from deployments.generator import GeneratorDeployment, build_generator_deploymen
 from pipelines.generate_handler import (
     DIRECT_INGRESS,
     GENERATE_INGRESS,
-    ROUTER_DEPLOYMENT,
     TIERS,
     GenerateArgs,
     GenerateHandler,
 )
+from pipelines.router_access import ROUTER_DEPLOYMENT
 from router.deployment import HostedRouter, predictor_store
 
 __all__ = [

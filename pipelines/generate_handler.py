@@ -1,9 +1,10 @@
 """The generate pipeline's request handling: route by ``model``, answer whole or as SSE.
 
 ``GenerateHandler`` answers over handles to the generators (and the router, which the
-generate app's ingress hosts in-process; other apps reach it through ``RouterHandle``): the generate
-app's ingress, the generator replica that serves its own HTTP (direct streaming) and the
-OpenAI app (``pipelines.openai_api``) all answer with it, so a request is checked, routed
+generate app's ingress hosts in-process; other apps reach it through
+``pipelines.router_access``): the generate app's ingress, the generator replica that serves
+its own HTTP (direct streaming) and the OpenAI app (``pipelines.openai_api``) all answer
+with it, so a request is checked, routed
 and formatted the same whichever URL and process it came in by.
 """
 
@@ -44,6 +45,7 @@ from carpool.generation.tools import ToolParser
 from carpool.http import ClosingStreamingResponse
 from carpool.schemas import ModelCard
 from pipelines.handler import PipelineHandler
+from pipelines.router_access import router_handle
 from router.config import RouterConfig
 
 logger = logging.getLogger(__name__)
@@ -54,48 +56,6 @@ TIERS = ("small", "large")
 GENERATE_INGRESS = "generate_ingress"
 # With direct_streaming the small generator is the app's ingress, under its tier's name.
 DIRECT_INGRESS = "small"
-# The name other apps (rag's generator_deployment) use for `auto`: the router, which lives in
-# the generate app's ingress (its route_* methods), not in a deployment of its own.
-ROUTER_DEPLOYMENT = "router"
-# A generator handle's methods, as the ingress hosting the router names them.
-ROUTER_METHODS = {
-    "generate": "route_generate",
-    "stream": "route_stream",
-    "describe": "route_describe",
-}
-
-
-class RouterHandle:
-    """The generate app's router, reached from another app through the app's ingress.
-
-    The ingress replica hosts the router (``router.deployment.HostedRouter``) and exposes it
-    as ``route_generate`` / ``route_stream`` / ``route_describe``; this maps the calls a
-    handler makes on a generator's handle (``generate``, ``stream``, ``describe``) onto them,
-    so ``auto`` is one more name for a handle, as ``small`` and ``large`` are. The app's
-    handle is looked up at first use: apps deploy in any order.
-    """
-
-    def __init__(self, app: str, ingress: Any = None) -> None:
-        self.app = app
-        self._ingress = ingress
-
-    def _resolved(self) -> Any:
-        if self._ingress is None:
-            self._ingress = serve.get_app_handle(self.app)
-        return self._ingress
-
-    def options(self, **kwargs: Any) -> "RouterHandle":
-        return RouterHandle(self.app, self._resolved().options(**kwargs))
-
-    def __getattr__(self, name: str) -> Any:
-        if name not in ROUTER_METHODS:
-            raise AttributeError(name)
-        return getattr(self._resolved(), ROUTER_METHODS[name])
-
-
-def router_handle(app: str) -> RouterHandle:
-    """``auto`` of the running generate app ``app`` (its ingress hosts the router)."""
-    return RouterHandle(app)
 
 
 class GenerateArgs(StrictModel):

@@ -9,7 +9,7 @@ from __future__ import annotations
 import pytest
 from pydantic import ValidationError
 
-from pipelines.rag import RagChatRequest, generation_call
+from pipelines.rag_schemas import RagChatRequest, generation_call
 
 Q = [{"role": "user", "content": "What colour is the bridge?"}]
 

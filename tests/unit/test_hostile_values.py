@@ -28,7 +28,8 @@ from carpool.schemas import (
     find_unservable_value,
 )
 from deployments.retriever import RetrievalServer
-from pipelines.rag import RagChatRequest, citations_header
+from pipelines.rag import citations_header
+from pipelines.rag_schemas import RagChatRequest
 
 
 @pytest.mark.parametrize(

@@ -129,7 +129,7 @@ def test_a_non_string_model_goes_to_the_default_pipeline_whose_schema_names_it()
 
 def test_each_pipelines_schema_refuses_what_it_cannot_do_by_name() -> None:
     from carpool.generation.schemas import ChatCompletionRequest
-    from pipelines.rag import RagChatRequest
+    from pipelines.rag_schemas import RagChatRequest
 
     body = {"messages": [{"role": "user", "content": "q"}], "n": 2}
     assert validate_body(ChatCompletionRequest, body).n == 2  # generate honours n
@@ -205,7 +205,7 @@ def test_models_leaves_out_an_unconfigured_pipeline() -> None:
 
 def test_chat_goes_to_rag_or_generate_by_model_with_that_pipelines_schema() -> None:
     from carpool.generation.schemas import ChatCompletionRequest
-    from pipelines.rag import RagChatRequest
+    from pipelines.rag_schemas import RagChatRequest
 
     fakes = _all_fakes()
     ingress = _ingress(fakes)
@@ -282,9 +282,9 @@ def test_each_handler_attaches_with_its_apps_own_settings(monkeypatch: pytest.Mo
 
     from pipelines.embed import EmbedArgs, EmbedHandler
     from pipelines.generate import GenerateArgs, GenerateHandler
-    from pipelines.generate_handler import RouterHandle
     from pipelines.rag import RagArgs, RagHandler
     from pipelines.rank import RankArgs, RankHandler
+    from pipelines.router_access import RouterHandle
 
     looked_up: list[tuple[str, str]] = []
 
@@ -323,7 +323,7 @@ def test_each_handler_attaches_with_its_apps_own_settings(monkeypatch: pytest.Mo
 
 def test_router_handle_maps_a_generators_calls_onto_the_hosting_ingress() -> None:
     """`auto` from another app: generate/stream/describe reach the ingress's route_*."""
-    from pipelines.generate_handler import RouterHandle
+    from pipelines.router_access import RouterHandle
 
     class Ingress:
         def __init__(self, opts: dict | None = None) -> None:
