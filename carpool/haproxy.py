@@ -42,6 +42,8 @@ import sys
 from collections.abc import Sequence
 from pathlib import Path
 
+from carpool.generation.engine_reaper import start_guard
+
 WRAPPER_NAME = "carpool-haproxy"
 ENABLE_VAR = "RAY_SERVE_ENABLE_HA_PROXY"
 # Where the wrapper reads its binds (set in Ray's environment, inherited by the HAProxy
@@ -167,6 +169,9 @@ def main(argv: Sequence[str] | None = None) -> None:
             metrics_host=os.environ.get(METRICS_HOST_VAR, LOOPBACK),
         )
     binary = real_binary()
+    # This process becomes HAProxy: a watchdog ends it if Ray's HAProxy manager (our parent)
+    # dies without stopping it (ray stop, SIGKILL), as it does its engines (issue 43).
+    start_guard(os.getppid(), os.getpid())
     os.execv(binary, [binary, *args])
 
 

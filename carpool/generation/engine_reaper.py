@@ -15,7 +15,12 @@ per process, however many engines it starts; it lives as long as the process. It
 SIGTERM/SIGINT/SIGHUP and runs in its own session, so the signal that ends the replica's
 group does not end it before it has done its job (it must outlive its parent).
 
-Standard library only, Linux only (``/proc``); run as ``python engine_reaper.py <pid>``.
+``start_guard()`` is the same watchdog for one process that becomes another program: the
+``carpool-haproxy`` wrapper starts one for itself before it execs HAProxy, so an HAProxy whose
+Ray manager died (``ray stop``, SIGKILL) does not keep port 8000 and its CPU.
+
+Standard library only, Linux only (``/proc``); run as ``python engine_reaper.py <pid>``
+(``--child <pid>``: guard that one process).
 """
 
 from __future__ import annotations
@@ -125,6 +130,35 @@ def watch(parent: int, poll_s: float = POLL_S) -> list[int]:
     return reap(known)
 
 
+def guard(parent: int, child: int, poll_s: float = POLL_S) -> list[int]:
+    """Ends ``child`` if ``parent`` dies first; returns at once when ``child`` ends first.
+
+    For a process that becomes another program (``carpool-haproxy`` execs HAProxy): only that
+    one process is watched, so nothing else its parent started is ever signalled.
+    """
+    parent_started, child_started = start_time(parent), start_time(child)
+    if parent_started is None or child_started is None:
+        return []
+    while alive(parent, parent_started):
+        if not alive(child, child_started):
+            return []  # it ended on its own (an HAProxy reload retires the old one)
+        time.sleep(poll_s)
+    return reap({child: child_started})
+
+
+def start_guard(parent: int, child: int) -> subprocess.Popen[bytes] | None:
+    """A watchdog that ends ``child`` when ``parent`` dies (``guard``); None off Linux."""
+    if not Path("/proc/self/stat").exists():
+        return None
+    return subprocess.Popen(
+        [sys.executable, "-S", str(Path(__file__).resolve()), str(parent), "--child", str(child)],
+        stdin=subprocess.DEVNULL,
+        stdout=subprocess.DEVNULL,
+        start_new_session=True,
+        close_fds=True,
+    )
+
+
 _REAPERS: dict[int, subprocess.Popen[bytes]] = {}
 
 
@@ -147,12 +181,15 @@ def start_reaper() -> subprocess.Popen[bytes] | None:
 
 
 def main(argv: list[str]) -> int:
+    child: int | None = None
+    if len(argv) == 3 and argv[1] == "--child" and argv[2].isdigit():
+        argv, child = argv[:1], int(argv[2])
     if len(argv) != 1 or not argv[0].isdigit():
-        print("usage: engine_reaper.py <parent pid>", file=sys.stderr)
+        print("usage: engine_reaper.py <parent pid> [--child <pid>]", file=sys.stderr)
         return 2
     for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
         signal.signal(sig, signal.SIG_IGN)
-    reaped = watch(int(argv[0]))
+    reaped = watch(int(argv[0])) if child is None else guard(int(argv[0]), child)
     if reaped:
         print(f"engine_reaper: parent {argv[0]} died; ended {sorted(reaped)}", file=sys.stderr)
     return 0

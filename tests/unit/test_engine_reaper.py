@@ -147,3 +147,71 @@ def test_descendants_are_found_through_grandchildren() -> None:
 def test_the_reaper_refuses_a_bad_command_line() -> None:
     assert engine_reaper.main([]) == 2
     assert engine_reaper.main(["not-a-pid"]) == 2
+
+
+# A parent that starts one child (as Ray's HAProxy manager starts carpool-haproxy) and prints
+# its pid; the child is what the guard watches.
+GUARDED_PARENT = (
+    "import subprocess, sys, time\n"
+    "child = subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(600)'])\n"
+    "print(child.pid, flush=True)\n"
+    "time.sleep(600)\n"
+)
+
+
+def test_the_guard_ends_one_child_when_its_parent_is_sigkilled() -> None:
+    """carpool-haproxy's watchdog: its HAProxy does not outlive Ray's manager (issue 43)."""
+    parent = subprocess.Popen(
+        [sys.executable, "-c", GUARDED_PARENT], stdout=subprocess.PIPE, text=True
+    )
+    assert parent.stdout is not None
+    child = int(parent.stdout.readline())
+    started = engine_reaper.start_time(child)
+    assert started is not None
+    guard = engine_reaper.start_guard(parent.pid, child)
+    assert guard is not None
+    try:
+        time.sleep(engine_reaper.POLL_S * 1.5)
+        parent.kill()
+        parent.wait()
+        assert _gone_within(child, started, engine_reaper.GRACE_S + 3), (
+            "the guarded child outlived its SIGKILLed parent for 6 s"
+        )
+        assert guard.wait(timeout=10) == 0
+    finally:
+        if engine_reaper.alive(child, started):
+            _kill(child)
+        _kill(guard.pid)
+
+
+def test_the_guard_leaves_when_its_child_ends_first() -> None:
+    """An HAProxy reload retires the old process: its guard must not linger (or kill)."""
+    parent = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)"])
+    child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(1)"])
+    guard = engine_reaper.start_guard(parent.pid, child.pid)
+    assert guard is not None
+    try:
+        child.wait()
+        assert guard.wait(timeout=10) == 0
+        assert parent.poll() is None  # the parent was never signalled
+    finally:
+        parent.kill()
+        parent.wait()
+        _kill(guard.pid)
+
+
+def test_carpool_haproxy_guards_itself_before_it_becomes_haproxy(monkeypatch) -> None:
+    """The wrapper starts the guard for (its parent, itself), then execs the real binary."""
+    from carpool import haproxy
+
+    calls: list[tuple] = []
+    monkeypatch.setattr(
+        haproxy, "start_guard", lambda parent, child: calls.append(("guard", parent, child))
+    )
+    monkeypatch.setattr(haproxy, "real_binary", lambda: "/bin/true")
+    monkeypatch.setattr(haproxy.os, "execv", lambda path, argv: calls.append(("exec", path, argv)))
+    haproxy.main(["-v"])
+    assert calls == [
+        ("guard", os.getppid(), os.getpid()),
+        ("exec", "/bin/true", ["/bin/true", "-v"]),
+    ]
