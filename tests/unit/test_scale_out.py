@@ -19,7 +19,7 @@ from router.config import RouterConfig
 from router.core import RouterServer, share_of_cap
 from router.features import extract_features
 from router.length import LengthPredictor, PredictorStore
-from tests.unit.test_router_server import FakeGenerator, _call
+from tests.unit.test_router_core import FakeGenerator, _call
 
 
 def full(replica: str, deployment: str = "generate/small") -> RequestError:

@@ -254,7 +254,7 @@ def test_the_routers_prediction_reaches_the_sequences(
     from carpool.generation.schemas import GenerationCall
     from router.core import RouterServer
     from tests.factories import build_tiny_models
-    from tests.unit.test_router_server import FakeGenerator
+    from tests.unit.test_router_core import FakeGenerator
 
     small = FakeGenerator("small")
     router = RouterServer({"policy": "threshold"}, {"small": small, "large": FakeGenerator("l")})
