@@ -105,6 +105,15 @@ class RouterHost:
 
     router: HostedRouter | None = None
 
+    def _host_router(self, args: GenerateArgs, small: Any, large: Any) -> LocalHandle | None:
+        """Starts this replica's router (none with ``router: null``); the handler's ``auto``."""
+        self.router = HostedRouter(args.router, small, large) if args.router is not None else None
+        return LocalHandle(self.router) if self.router is not None else None
+
+    def _stop_router(self) -> None:
+        if self.router is not None:
+            self.router.close()
+
     def _router(self) -> HostedRouter:
         if self.router is None:
             raise RuntimeError("this generate app has no router (args.router: null)")
@@ -125,10 +134,6 @@ class RouterHost:
         return self._router().stats()
 
 
-def _hosted_router(args: GenerateArgs, small: Any, large: Any) -> HostedRouter | None:
-    return HostedRouter(args.router, small, large) if args.router is not None else None
-
-
 @serve.ingress()
 class GenerateIngress(RouterHost, GenerateHandler):
     """HTTP front of the generate pipeline: validates, picks the model, formats, streams.
@@ -143,9 +148,8 @@ class GenerateIngress(RouterHost, GenerateHandler):
         args: dict[str, Any],
     ) -> None:
         parsed = GenerateArgs.model_validate(args)
-        self.router = _hosted_router(parsed, small, large)
-        local = LocalHandle(self.router) if self.router is not None else None
-        GenerateHandler.__init__(self, small, large, parsed, local)
+        auto = self._host_router(parsed, small, large)
+        GenerateHandler.__init__(self, small, large, parsed, auto)
 
     def __serve_build_asgi_app__(self) -> FastAPI:
         api = generate_api(self)
@@ -153,8 +157,7 @@ class GenerateIngress(RouterHost, GenerateHandler):
         return api
 
     def __del__(self) -> None:
-        if self.router is not None:
-            self.router.close()
+        self._stop_router()
 
 
 @serve.ingress()
@@ -176,9 +179,8 @@ class DirectGenerateIngress(RouterHost, GeneratorDeployment):
     ) -> None:
         GeneratorDeployment.__init__(self, config)
         parsed = GenerateArgs.model_validate(args)
-        self.router = _hosted_router(parsed, LocalHandle(self), large)
-        local = LocalHandle(self.router) if self.router is not None else None
-        self.http = GenerateHandler(LocalHandle(self), large, parsed, local)
+        own = LocalHandle(self)
+        self.http = GenerateHandler(own, large, parsed, self._host_router(parsed, own, large))
 
     def __serve_build_asgi_app__(self) -> FastAPI:
         api = generate_api(self.http)
@@ -191,8 +193,7 @@ class DirectGenerateIngress(RouterHost, GeneratorDeployment):
     async def __del__(self) -> None:  # type: ignore[override]
         # Serve awaits it: the router's sync stops, the engine is closed, then the HTTP
         # app's lifespan ends.
-        if self.router is not None:
-            self.router.close()
+        self._stop_router()
         GeneratorDeployment.__del__(self)
         lifespan = getattr(self, "_serve_asgi_lifespan", None)
         if lifespan is not None:

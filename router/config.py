@@ -54,10 +54,10 @@ class RouterConfig(StrictModel):
     max_in_flight_per_replica: dict[str, int] = Field(
         default_factory=dict,
         description="Requests a model may have in flight per live replica of it, from all "
-        "replicas hosting the router (the generate ingress) together; more wait in lanes, shortest first. The cap follows the "
-        "model's live replica count, so autoscaling adds room. A model not listed gets its "
-        "deployment's max_ongoing_requests (Serve's own per-replica limit): a backlog then "
-        "waits at the replicas, where autoscaling counts it.",
+        "replicas hosting the router (the generate ingress) together; more wait in lanes, "
+        "shortest first. The cap follows the model's live replica count, so autoscaling adds "
+        "room. A model not listed gets its deployment's max_ongoing_requests (Serve's own "
+        "per-replica limit): a backlog then waits at the replicas, where autoscaling counts it.",
     )
     predictor_sync_s: float = Field(
         default=5.0,

@@ -11,11 +11,11 @@ component's ceiling is then arithmetic::
     requests/s = cores it can use x 1000 / its CPU-ms per request
 
 with the cores from the serve config and the cluster's shape (``Layout``): HAProxy's threads
-on every node, one core per ingress or router replica (a Python process runs one thread at a
-time under the GIL), and the head node's cores for all that serve-gpu.yaml pins there
-(ingresses, the router in its host). ``carpool.twin.project`` and the planner's ``bottlenecks`` compare a mix
-with them; ``ServingPath.overheads`` makes them the whole-cluster twin's path stages (the
-head's shared cores are a bound there, not a stage). This module reads the benchmark's JSON
+on every node, one core per ingress replica (a Python process runs one thread at a time
+under the GIL; the router runs inside generate's), and the head node's cores for all that
+serve-gpu.yaml pins there. ``carpool.twin.project`` and the planner's ``bottlenecks`` compare
+a mix with them; ``ServingPath.overheads`` makes them the whole-cluster twin's path stages
+(the head's shared cores are a bound there, not a stage). This module reads the benchmark's JSON
 file; it never imports the benchmarks package.
 """
 
@@ -48,7 +48,8 @@ SYSTEMS: dict[str, tuple[tuple[str, ...], str]] = {
 # Serve's proxy is one Python process, so one core.
 HTTP_THREADS = {"haproxy": 4, "python-proxy": 1}
 HTTP_NAME = {"haproxy": "HTTP (HAProxy)", "python-proxy": "HTTP (Serve proxy)"}
-# cluster.yaml's head (m6i.2xlarge, CPU: 8): serve-gpu.yaml pins the ingresses (the router runs in generate's) there.
+# cluster.yaml's head (m6i.2xlarge, CPU: 8): serve-gpu.yaml pins the ingresses there (the
+# router runs inside generate's).
 HEAD_CORES = 8.0
 # The deployment taking a kind's HTTP in its app, and the args flag under which the kind's
 # model replicas take it themselves (no ingress process). The names are pipelines' own
@@ -94,15 +95,6 @@ def _row(rnd: Mapping[str, Any], system: str, row: str) -> Mapping[str, Any]:
     return body
 
 
-# CPU classes that compute the model (benchmarks.proc_cpu.MODEL_CLASSES); the rest is path.
-MODEL_CLASSES = ("model", "engine")
-
-
-def _path_ms(body: Mapping[str, Any]) -> float:
-    per = body["cpu_ms_per_req"]
-    return sum(float(v) for k, v in per.items() if k not in MODEL_CLASSES and k != "peer")
-
-
 def router_ms(rnd: Mapping[str, Any], system: str) -> float:
     """The router's CPU-ms per ``auto`` request in one round.
 
@@ -115,7 +107,8 @@ def router_ms(rnd: Mapping[str, Any], system: str) -> float:
     if auto["cpu_ms"].get("router", 0.0) <= 0.0:
         if auto["answered"] < 1:
             raise PathProfileError(f"{system} row auto has no answers; rerun it")
-        return max(0.0, _path_ms(auto) - _path_ms(_row(rnd, system, "chat")))
+        chat = _row(rnd, system, "chat")
+        return max(0.0, auto["path_cpu_ms_per_req"] - chat["path_cpu_ms_per_req"])
     idle_per_s = idle["cpu_ms"]["router"] / idle["window_s"]
     net = auto["cpu_ms"]["router"] - idle_per_s * auto["window_s"]
     if auto["answered"] < 1 or net <= 0:

@@ -40,6 +40,19 @@ def _type_checking_block(node: ast.stmt) -> bool:
     )
 
 
+def imported_names(node: ast.Import | ast.ImportFrom, name: str, is_package: bool) -> set[str]:
+    """What one import statement in module ``name`` names: each module, and for "from pkg
+    import x" also ``pkg.x`` (x may be a module); relative imports resolved."""
+    if isinstance(node, ast.Import):
+        return {alias.name for alias in node.names}
+    base = node.module or ""
+    if node.level:
+        anchor = name.split(".") if is_package else name.split(".")[:-1]
+        anchor = anchor[: len(anchor) - (node.level - 1)]
+        base = ".".join([*anchor, base] if base else anchor)
+    return {base, *(f"{base}.{alias.name}" for alias in node.names)}
+
+
 def module_level_imports(name: str, path: Path) -> set[str]:
     """Modules imported when ``name`` is imported: top-level statements only (imports inside
     functions run later and cannot make an import-time circle), minus TYPE_CHECKING blocks."""
@@ -51,16 +64,8 @@ def module_level_imports(name: str, path: Path) -> set[str]:
         for node in body:
             if _type_checking_block(node):
                 continue
-            if isinstance(node, ast.Import):
-                found.update(alias.name for alias in node.names)
-            elif isinstance(node, ast.ImportFrom):
-                base = node.module or ""
-                if node.level:
-                    anchor = name.split(".") if is_package else name.split(".")[:-1]
-                    anchor = anchor[: len(anchor) - (node.level - 1)]
-                    base = ".".join([*anchor, base] if base else anchor)
-                found.add(base)
-                found.update(f"{base}.{alias.name}" for alias in node.names)
+            if isinstance(node, ast.Import | ast.ImportFrom):
+                found.update(imported_names(node, name, is_package))
             elif isinstance(node, ast.If | ast.Try):
                 visit(node.body)
                 visit(node.orelse)
@@ -218,16 +223,8 @@ def every_import(name: str, path: Path) -> set[str]:
     is_package = path.name == "__init__.py"
     found: set[str] = set()
     for node in ast.walk(ast.parse(path.read_text(), filename=str(path))):
-        if isinstance(node, ast.Import):
-            found.update(alias.name for alias in node.names)
-        elif isinstance(node, ast.ImportFrom):
-            base = node.module or ""
-            if node.level:
-                anchor = name.split(".") if is_package else name.split(".")[:-1]
-                anchor = anchor[: len(anchor) - (node.level - 1)]
-                base = ".".join([*anchor, base] if base else anchor)
-            found.add(base)
-            found.update(f"{base}.{alias.name}" for alias in node.names)
+        if isinstance(node, ast.Import | ast.ImportFrom):
+            found.update(imported_names(node, name, is_package))
     return found
 
 

@@ -30,11 +30,13 @@ CLASSES = ("ray_proxy", "haproxy", "ingress", "router", "model", "engine", "ray_
 def row(answered: int, window_s: float, **cpu_ms: float) -> dict[str, Any]:
     """One benchmark row as ``python -m benchmarks path`` writes it (the fields read here)."""
     cpu = {c: float(cpu_ms.get(c, 0.0)) for c in CLASSES}
+    path = sum(v for c, v in cpu.items() if c not in ("model", "engine", "peer"))
     return {
         "answered": answered,
         "window_s": window_s,
         "cpu_ms": cpu,
         "cpu_ms_per_req": {c: v / answered for c, v in cpu.items()},
+        "path_cpu_ms_per_req": path / answered,
     }
 
 
