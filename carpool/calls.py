@@ -93,6 +93,11 @@ def no_live_counts(_: str) -> int | None:
     return None
 
 
+# Refreshes the live counts before a caller gives up on a stage; True when they changed hands
+# (``carpool.topology.LiveReplicas.recount``).
+Recount = Callable[[], Awaitable[bool]]
+
+
 def is_overload(error: RequestError | None) -> bool:
     return error is not None and error.status_code == 503 and error.code == "overloaded"
 
@@ -181,15 +186,19 @@ async def call_refusable(
     priority: Priority,
     live: LiveCount = no_live_counts,
     max_tries: int = 8,
+    recount: Recount | None = None,
 ) -> T:
     """Awaits ``make_call()``, trying again while a replica refused and another has room.
 
     Only overload refusals are retried: they are decided by the replica's admission before any
     work starts, so a generation never runs twice. Anything else, and the last refusal, is
-    raised as it came. Every refusal is recorded in ``memory``.
+    raised as it came. Every refusal is recorded in ``memory``. Before giving up because every
+    replica it knows of refused, the call refreshes the live counts once (``recount``): the
+    counts are polled every few seconds, and a replica started since is room it must not miss.
     """
     tries = 0
     refused_this_call: set[str] = set()
+    recounted = recount is None
     while True:
         tries += 1
         try:
@@ -202,14 +211,32 @@ async def call_refusable(
             memory.record(found, priority)
             if found.replica is None or tries >= max_tries:
                 raise
-            if not memory.has_room(found.deployment, priority, live):
-                raise
             # Serve may send a retry to the replica that just refused (its queue lengths are
             # cached), so the call gives up once every live replica refused it, not after
             # one try per replica.
             refused_this_call.add(found.replica)
-            if len(refused_this_call) >= max(live(found.deployment or WHOLE_STAGE) or 1, 1):
-                raise
+            if _out_of_room(memory, found, priority, live, refused_this_call):
+                if recounted:
+                    raise
+                recounted = True
+                assert recount is not None
+                if not await recount() or _out_of_room(
+                    memory, found, priority, live, refused_this_call
+                ):
+                    raise
+
+
+def _out_of_room(
+    memory: RefusalMemory,
+    refusal: RequestError,
+    priority: Priority,
+    live: LiveCount,
+    refused_this_call: set[str],
+) -> bool:
+    """Every live replica of the refusing deployment refused moments ago, or this call."""
+    if not memory.has_room(refusal.deployment, priority, live):
+        return True
+    return len(refused_this_call) >= max(live(refusal.deployment or WHOLE_STAGE) or 1, 1)
 
 
 def _replica_lost(exc: BaseException) -> bool:
@@ -350,6 +377,7 @@ def _refusable(stage: str, make_call: Callable[[], Awaitable[T]]) -> Awaitable[T
         _refusals(stage),
         current_controls().priority,
         _live,
+        recount=live_replicas().recount,
     )
 
 

@@ -83,6 +83,22 @@ class LiveReplicas:
         """Blocking refresh (start-up, tests)."""
         self._refresh()
 
+    async def recount(self, max_age_s: float = 1.0) -> bool:
+        """Refreshes the counts now, unless they are younger than ``max_age_s``; True when
+        they were refreshed. For a caller about to give up on a stage because every replica
+        it knows of refused: a replica added since the last poll (a scale-out moments ago)
+        is one more place to try. Bounded to one fetch per ``max_age_s``, so sustained
+        refusals cost the controller no more than that.
+        """
+        if self._clock() - self._fetched_at < max_age_s:
+            return False
+        with self._lock:
+            if self._refreshing:  # the background poll is fetching: use what it finds
+                return False
+            self._refreshing = True
+        await asyncio.get_running_loop().run_in_executor(None, self._refresh)
+        return True
+
     def _maybe_refresh(self) -> None:
         if self._clock() - self._fetched_at < self.interval_s:
             return

@@ -20,6 +20,7 @@ from typing import Any
 
 from carpool.calls import (
     LiveCount,
+    Recount,
     RefusalMemory,
     await_or_cancel,
     call_refusable,
@@ -96,9 +97,12 @@ class _HandleClient:
     replica of the same model while one has room (carpool/calls.py).
     """
 
-    def __init__(self, handle: Any, live: LiveCount = no_live_counts) -> None:
+    def __init__(
+        self, handle: Any, live: LiveCount = no_live_counts, recount: Recount | None = None
+    ) -> None:
         self.handle = handle
         self.live = live
+        self.recount = recount
         self.refusals = RefusalMemory()
 
     async def generate(self, call: dict[str, Any]) -> dict[str, Any]:
@@ -107,6 +111,7 @@ class _HandleClient:
             self.refusals,
             call.get("priority") or "interactive",
             self.live,
+            recount=self.recount,
         )
 
     async def stream(self, call: dict[str, Any]) -> AsyncIterator[dict[str, Any]]:
@@ -115,6 +120,7 @@ class _HandleClient:
             self.refusals,
             call.get("priority") or "interactive",
             self.live,
+            recount=self.recount,
         )
         finished = False
         try:
@@ -150,9 +156,11 @@ class HostedRouter(RouterServer):
         app = self._host.split("/")[0]
         self._deployments = {SMALL: f"{app}/small", LARGE: f"{app}/large"}
         self._live = live_replicas()
-        clients: dict[str, GeneratorClient] = {SMALL: _HandleClient(small, self._live.count)}
+        clients: dict[str, GeneratorClient] = {
+            SMALL: _HandleClient(small, self._live.count, self._live.recount)
+        }
         if large is not None:
-            clients[LARGE] = _HandleClient(large, self._live.count)
+            clients[LARGE] = _HandleClient(large, self._live.count, self._live.recount)
         super().__init__(config, clients, caps=self._cap, share_predictor=where is not None)
         self._small = small
         self._epoch: str | None = None

@@ -14,7 +14,7 @@ from pydantic import ValidationError
 from carpool.admission import RequestControls, SlotQueue, slot_refusal
 from carpool.calls import RefusalMemory, call_refusable
 from carpool.errors import RequestError, find_request_error
-from carpool.topology import LiveReplicas, parse_serve_details
+from carpool.topology import DeploymentView, LiveReplicas, parse_serve_details
 from router.config import RouterConfig
 from router.core import RouterServer, share_of_cap
 from router.features import extract_features
@@ -93,6 +93,60 @@ def test_a_refused_request_is_tried_on_another_replica_once_each() -> None:
     with pytest.raises(RequestError):
         asyncio.run(call_refusable(both_full, RefusalMemory(), "interactive", live))
     assert calls == ["a", "b"]
+
+
+def test_a_replica_started_since_the_last_poll_is_tried_before_giving_up() -> None:
+    """The live counts are polled every few seconds. Right after a scale-out they still say one
+    replica; a refusal from it must not go back to the client while the new one has room."""
+    counts = {"generate/small": 1}
+    fetches: list[int] = []
+    clock = [10.0]
+
+    def fetch() -> Any:
+        fetches.append(1)
+        return {k: DeploymentView(running=v, max_ongoing_requests=2) for k, v in counts.items()}
+
+    live = LiveReplicas(fetch, interval_s=3.0, clock=lambda: clock[0])
+    assert live.count("generate/small") == 1
+    counts["generate/small"] = 2  # scaled out; the poll has not seen it yet
+    clock[0] += 1.5  # older than recount's 1 s, younger than the 3 s poll
+    names = iter(["a", "b"])
+
+    async def attempt() -> str:
+        name = next(names)
+        if name == "a":
+            raise full("a")
+        return f"answered by {name}"
+
+    answer = asyncio.run(
+        call_refusable(attempt, RefusalMemory(), "interactive", live.count, recount=live.recount)
+    )
+    assert answer == "answered by b" and len(fetches) == 2
+
+    # A fresh count that still says one replica: refused after one recount, not more.
+    counts["generate/small"] = 1
+    fetches.clear()
+    live = LiveReplicas(fetch, interval_s=3.0, clock=lambda: clock[0])
+    live.refresh_now()
+    clock[0] += 1.5
+    tries: list[str] = []
+
+    async def only_a() -> str:
+        tries.append("a")
+        raise full("a")
+
+    with pytest.raises(RequestError):
+        asyncio.run(
+            call_refusable(only_a, RefusalMemory(), "interactive", live.count, recount=live.recount)
+        )
+    assert tries == ["a"] and len(fetches) == 2
+    # Counts younger than 1 s are not fetched again: sustained refusals cost the controller
+    # at most one fetch a second per process.
+    with pytest.raises(RequestError):
+        asyncio.run(
+            call_refusable(only_a, RefusalMemory(), "interactive", live.count, recount=live.recount)
+        )
+    assert tries == ["a", "a"] and len(fetches) == 2
 
 
 def test_a_retry_sent_back_to_the_replica_that_refused_goes_on_to_the_other() -> None:
