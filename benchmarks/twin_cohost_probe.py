@@ -1,6 +1,6 @@
 """Does other work on this host slow an embedder pass below 2 cores of demand? (issue 26)
 
-Times the profile's own embedder pass (``carpool.twin.measure.encoder_pass``, one torch
+Times the profile's own embedder pass (``carpool_twin.measure.encoder_pass``, one torch
 thread, the packaged all-MiniLM-L6-v2) at a few shapes while something else runs:
 
 - ``alone``; ``alone_padded``: the same shapes with rows of unequal lengths (a real mask);
@@ -55,7 +55,7 @@ def _model_loop(stop: Any) -> None:
 def _load() -> tuple[Any, str]:
     import torch
 
-    from carpool.twin.measure import build_model, locate
+    from carpool_twin.measure import build_model, locate
 
     torch.set_num_threads(1)
     folder = locate("packaged:all-MiniLM-L6-v2", None)
@@ -66,7 +66,7 @@ _MODEL: Any = None
 
 
 def _pass(rows: int, length: int) -> Any:
-    from carpool.twin.measure import encoder_pass
+    from carpool_twin.measure import encoder_pass
 
     global _MODEL
     if _MODEL is None:

@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from benchmarks.workloads import EmbedRequest, Workload
-from carpool.twin.replicas import SimRequest
+from carpool_twin.replicas import SimRequest
 
 ROOT = Path(__file__).resolve().parent.parent
 GEN_CLIENTS = (4, 16, 64)

@@ -158,7 +158,7 @@ def main(argv: list[str] | None = None) -> int:
     import torch
     from transformers import AutoTokenizer
 
-    from carpool.twin.measure import build_model
+    from carpool_twin.measure import build_model
 
     # As the profile command builds it (random weights initialised on the device).
     tokenizer = AutoTokenizer.from_pretrained(args.model_dir)
@@ -191,7 +191,7 @@ def main(argv: list[str] | None = None) -> int:
 def save(args: Any, argv: list[str] | None, started: float, rounds: list[dict[str, Any]]) -> None:
     """The measurement so far (after every round: a run cut short keeps its rounds), with the
     machine and software as a profile records them."""
-    from carpool.twin.cli import hardware, software
+    from carpool_twin.cli import hardware, software
 
     doc = {
         "command": " ".join(["python -m benchmarks.twin_gpu_engine", *(argv or sys.argv[1:])]),

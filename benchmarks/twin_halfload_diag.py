@@ -330,10 +330,10 @@ def cmd_compare(args: Any) -> int:
     """The replica's passes against the profile's price, the hops, and the twin (its pass
     scale fitted on the 1-client phase, as ``twin_validate report`` fits it) per phase."""
     from benchmarks.twin_report import _mean_ms, embed_spec
-    from carpool.twin.calibrate import serving_pass_scale
-    from carpool.twin.profile import load_profile
-    from carpool.twin.replicas import PointsCurve
-    from carpool.twin.sim import Overheads
+    from carpool_twin.calibrate import serving_pass_scale
+    from carpool_twin.profile import load_profile
+    from carpool_twin.replicas import PointsCurve
+    from carpool_twin.sim import Overheads
 
     doc = json.loads(Path(args.measured).read_text())
     profile = load_profile(args.profile)

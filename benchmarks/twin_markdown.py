@@ -71,7 +71,7 @@ def markdown(doc: dict, measured: dict, first: dict) -> str:
     passes = (
         "the embedder's passes as its deployed replica ran them, one request of each of the "
         "profile's shapes at a time, on the default configuration before its phases "
-        "(`carpool.twin serving-profile`); the generator's bare steps"
+        "(`carpool_twin serving-profile`); the generator's bare steps"
         if doc.get("embed_passes_from") == "serving"
         else "bare forward passes, no serving"
     )
@@ -88,7 +88,7 @@ def markdown(doc: dict, measured: dict, first: dict) -> str:
             + _each([f.get("embed_pass_scale") for f in fits], "{:.3f}")
             + "x** the profile's price, the replica's own record of its passes' wall time in "
             "the 1-client run (`/v1/stats`) over the twin's price of the same requests' passes "
-            "(`carpool.twin.calibrate.serving_pass_scale`; `PoolSpec.pass_scale`)."
+            "(`carpool_twin.calibrate.serving_pass_scale`; `PoolSpec.pass_scale`)."
         )
     hosts = [f.get("embed_host") for f in fits if f.get("embed_host")]
     if hosts:
@@ -103,7 +103,7 @@ def markdown(doc: dict, measured: dict, first: dict) -> str:
             "prices them at on the same requests). The twin runs the passes on a host of "
             f"{hosts[0]['cores']:g} cores that this demand shares: while the passes and the "
             "serving path together want more than the cores, every runnable thread slows "
-            "alike (processor sharing; `Overheads.host_cores`, `carpool.twin.sim.host_slowdown`)."
+            "alike (processor sharing; `Overheads.host_cores`, `carpool_twin.sim.host_slowdown`)."
         )
     loaded = [f.get("embed_loaded_pass_scale") for f in fits]
     if any(v is not None for v in loaded):

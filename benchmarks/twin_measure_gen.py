@@ -118,7 +118,7 @@ def trace_calls(tokenizer: Any, args: Any) -> tuple[list[float], list[dict[str, 
     ``trace_rate`` requests/s on average, bursts kept; token counts times
     ``trace_token_scale`` (the traces' README asks both factors be stated). Prompts are
     synthesized to their token count, outputs forced with ``ignore_eos``."""
-    from carpool.twin.traffic import load_trace
+    from carpool_twin.traffic import load_trace
 
     traffic = load_trace(args.trace)
     assert traffic.trace is not None

@@ -22,11 +22,11 @@ from benchmarks.twin_common import (
     gen_requests,
 )
 from benchmarks.workloads import embed_workload
-from carpool.twin.calibrate import serving_pass_scale
-from carpool.twin.profile import load_profile
-from carpool.twin.replicas import SimRequest
-from carpool.twin.sim import Overheads, SimResult
-from carpool.twin.topology import TwinSpec
+from carpool_twin.calibrate import serving_pass_scale
+from carpool_twin.profile import load_profile
+from carpool_twin.replicas import SimRequest
+from carpool_twin.sim import Overheads, SimResult
+from carpool_twin.topology import TwinSpec
 
 # --- predicting -----------------------------------------------------------------------------
 
@@ -55,7 +55,7 @@ def embed_pass_scale(
     """What serving adds to each embedder pass, from a configuration's 1-client calibration
     run (``base``, with its ``knobs``; the default's unless told): the replica's own total
     pass time there (/v1/stats) over the profile's price of the same requests' passes
-    (``carpool.twin.calibrate``). None for a measurement without it."""
+    (``carpool_twin.calibrate``). None for a measurement without it."""
     cal = base["closed_1"]
     forward_ms = (cal.get("replica") or {}).get("forward_ms")
     if not forward_ms or cal["ok"] != cal["sent"]:
@@ -408,7 +408,7 @@ def cmd_report(args: Any) -> int:
         "measure_command": measured.get("command"),
         "report_command": " ".join([".venv/bin/python -m benchmarks.twin_validate", *sys.argv[1:]]),
         # Where the embedder's pass prices come from: "serving" when the profile's entry
-        # was re-timed in a replica (carpool.twin serving-profile), else bare passes.
+        # was re-timed in a replica (carpool_twin serving-profile), else bare passes.
         "embed_passes_from": next(
             (
                 "serving" if e.get("serving") else "bare"

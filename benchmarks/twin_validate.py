@@ -101,14 +101,14 @@ async def _timed(
 
 def _retime(base: str, dest: str, url: str) -> dict[str, Any]:
     """``base``'s embedder passes re-timed in the deployed replica at ``url``, saved to ``dest``:
-    ``python -m carpool.twin serving-profile``, run here on the calibration config's own
+    ``python -m carpool_twin serving-profile``, run here on the calibration config's own
     deployment, before any measured phase."""
-    from carpool.twin.cli import main as twin_main
+    from carpool_twin.cli import main as twin_main
 
     started = time.monotonic()
     argv = ["serving-profile", "--profile", base, "--url", url, "--models", "embedder"]
     if twin_main([*argv, "--out", dest]) != 0:
-        raise RuntimeError(f"python -m carpool.twin {' '.join(argv)} failed")
+        raise RuntimeError(f"python -m carpool_twin {' '.join(argv)} failed")
     return {"from": base, "out": dest, "url": url, "seconds": round(time.monotonic() - started, 1)}
 
 

@@ -2,7 +2,8 @@
 into the benchmark harness (issue 25: the engine factory once sat in the interface file and
 made a circle with the vLLM adapter; benchmark code once lived in carpool/generation/), and
 nothing under carpool/ imports the floors above it: router/, pipelines/, deployments/ (issue
-44), the twin's use of router/ excepted until the twin has a package of its own."""
+44). The twin (carpool_twin/) stands above router/: it runs the router's own flow, and nothing
+that serves imports it."""
 
 from __future__ import annotations
 
@@ -13,7 +14,7 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
-PACKAGES = ("carpool", "deployments", "router", "pipelines")
+PACKAGES = ("carpool", "deployments", "router", "pipelines", "carpool_twin")
 
 
 def module_name(path: Path) -> str:
@@ -160,18 +161,9 @@ def _all_imports(path: Path) -> set[str]:
 
 
 # Upper floors: carpool/ is the ground floor they build on, so it imports none of them.
-UPPER = ("router", "pipelines", "deployments")
-# The twin simulates the router by running the router's own flow (router.core), so for now it
-# may import router; it is to move to a package of its own above router/ (issue 44). No other
-# exception: anything else under carpool/ importing an upper floor is an arrow the wrong way.
-MAY_IMPORT_UPPER = {"carpool.twin": ("router",)}
-
-
-def _allowed(module: str, target: str) -> bool:
-    return any(
-        (module == where or module.startswith(f"{where}.")) and target in floors
-        for where, floors in MAY_IMPORT_UPPER.items()
-    )
+UPPER = ("router", "pipelines", "deployments", "carpool_twin")
+# What serves requests: none of it imports the twin, which is a planner and simulator above it.
+SERVING = ("carpool", "router", "pipelines", "deployments")
 
 
 def test_the_ground_floor_imports_no_upper_floor() -> None:
@@ -180,20 +172,30 @@ def test_the_ground_floor_imports_no_upper_floor() -> None:
         for name, path in product_modules().items()
         if name.split(".")[0] == "carpool"
         for imported in _all_imports(path)
-        if imported.split(".")[0] in UPPER and not _allowed(name, imported.split(".")[0])
+        if imported.split(".")[0] in UPPER
     )
     assert not offenders, f"carpool/ imports an upper floor: {offenders}"
 
 
-def test_the_twin_exception_is_still_needed_and_is_only_the_router() -> None:
-    """The allowance must not outlive its reason, nor stretch to pipelines or deployments."""
+def test_the_twin_stands_above_the_router_and_nothing_serving_imports_it() -> None:
+    """The twin drives router.core's own flow (so it imports router/), never the Serve shells
+    (pipelines/, deployments/); and no serving module depends on the twin."""
+    modules = product_modules()
     twin = {
         imported.split(".")[0]
-        for name, path in product_modules().items()
-        if name == "carpool.twin" or name.startswith("carpool.twin.")
+        for name, path in modules.items()
+        if name.split(".")[0] == "carpool_twin"
         for imported in _all_imports(path)
     }
-    assert twin & set(UPPER) == {"router"}
+    assert "router" in twin  # the reason it stands where it does
+    assert not twin & {"pipelines", "deployments"}, twin
+    serving_imports_twin = sorted(
+        name
+        for name, path in modules.items()
+        if name.split(".")[0] in SERVING
+        and any(i.split(".")[0] == "carpool_twin" for i in _all_imports(path))
+    )
+    assert not serving_imports_twin, serving_imports_twin
 
 
 # --- the benchmark harness and the dashboards (issue 44) --------------------------------------

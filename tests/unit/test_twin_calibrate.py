@@ -1,4 +1,4 @@
-"""Fitting the twin's serving costs on a calibration run (``carpool.twin.calibrate``)."""
+"""Fitting the twin's serving costs on a calibration run (``carpool_twin.calibrate``)."""
 
 from __future__ import annotations
 
@@ -7,10 +7,10 @@ import random
 import pytest
 
 from carpool.config import BatchingConfig
-from carpool.twin.calibrate import priced_pass_ms, serving_pass_scale
-from carpool.twin.replicas import SimRequest
-from carpool.twin.sim import Overheads, poisson
-from carpool.twin.topology import PoolSpec, TwinSpec
+from carpool_twin.calibrate import priced_pass_ms, serving_pass_scale
+from carpool_twin.replicas import SimRequest
+from carpool_twin.sim import Overheads, poisson
+from carpool_twin.topology import PoolSpec, TwinSpec
 
 
 def encoder_spec(const_ms: float, per_token_ms: float = 0.0, **knobs: object) -> TwinSpec:

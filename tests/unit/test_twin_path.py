@@ -1,4 +1,4 @@
-"""The serving path's measured CPU per request (``carpool.twin.path``) and the ceilings it
+"""The serving path's measured CPU per request (``carpool_twin.path``) and the ceilings it
 sets: a synthetic path benchmark file read field by field, and bounds that follow from
 cores x 1000 / CPU-ms per request."""
 
@@ -12,8 +12,8 @@ from typing import Any
 import pytest
 import yaml
 
-from carpool.twin.cli import main as twin_cli
-from carpool.twin.path import (
+from carpool_twin.cli import main as twin_cli
+from carpool_twin.path import (
     DEFAULT_PATH_PROFILE,
     PathProfileError,
     ServingPath,
@@ -21,7 +21,7 @@ from carpool.twin.path import (
     ingress_deployments,
     load_path_profile,
 )
-from carpool.twin.traffic import parse_traffic
+from carpool_twin.traffic import parse_traffic
 
 ROOT = Path(__file__).resolve().parents[2]
 CLASSES = ("ray_proxy", "haproxy", "ingress", "router", "model", "engine", "ray_system", "peer")
@@ -62,7 +62,7 @@ def bench(scale: float = 1.0) -> dict[str, Any]:
 
 
 def test_extraction_reads_each_components_cpu_ms_per_request() -> None:
-    doc = extract_path(bench(), "x.json", "python -m carpool.twin path-profile x.json")
+    doc = extract_path(bench(), "x.json", "python -m carpool_twin path-profile x.json")
     ms = doc["modes"]["haproxy"]["cpu_ms_per_request"]
     assert ms["http"] == {"embed": 0.1, "rank": 0.1, "generate": 0.12}  # rank: embed's row
     assert ms["ingress"] == {"embed": 2.0, "rank": 2.0, "generate": 2.5}
@@ -115,7 +115,7 @@ def test_the_cli_writes_a_profile_the_twin_loads(tmp_path: Path) -> None:
     out = tmp_path / "path-profile.json"
     assert twin_cli(["path-profile", str(source), "--out", str(out)]) == 0
     doc = load_path_profile(out)
-    assert doc["command"].startswith("python -m carpool.twin path-profile")
+    assert doc["command"].startswith("python -m carpool_twin path-profile")
     assert ServingPath.load(out, "python-proxy").ms["http"]["embed"] == 3.0
 
 
@@ -199,7 +199,7 @@ def test_the_shipped_path_profile_loads_and_names_its_source() -> None:
 
 
 def test_ingress_names_are_the_pipelines_own() -> None:
-    from carpool.twin.path import DIRECT, INGRESS
+    from carpool_twin.path import DIRECT, INGRESS
     from pipelines import embed, generate, rank
     from pipelines.embed import EmbedArgs
     from pipelines.generate import GenerateArgs

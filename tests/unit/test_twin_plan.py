@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import pytest
 
-from carpool.twin.path import ServingPath
-from carpool.twin.plan import Planner, Slo, apply_overlay, bottlenecks, knob_grid, overlay_of
-from carpool.twin.traffic import load_trace, mix_from_mapping, parse_traffic
+from carpool_twin.path import ServingPath
+from carpool_twin.plan import Planner, Slo, apply_overlay, bottlenecks, knob_grid, overlay_of
+from carpool_twin.traffic import load_trace, mix_from_mapping, parse_traffic
 
 # One embedder replica: a pass of one item costs 100 ms, so a replica answers 10 requests/s.
 PROFILE = {

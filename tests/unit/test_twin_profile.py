@@ -1,4 +1,4 @@
-"""Cost profiles (carpool.twin): the fits recover known coefficients, the file round-trips and
+"""Cost profiles (carpool_twin): the fits recover known coefficients, the file round-trips and
 enforces its schema version and provenance rules, and a tiny random model is profiled end to
 end on CPU, in a process that cannot import Ray, FastAPI or pydantic."""
 
@@ -13,7 +13,7 @@ from typing import Any
 
 import pytest
 
-from carpool.twin.profile import (
+from carpool_twin.profile import (
     SCHEMA_VERSION,
     ProfileError,
     find_entry,
@@ -70,7 +70,7 @@ def _entry(**overrides: Any) -> dict[str, Any]:
         "threads": None,
         "pass": {"points": pts, "fits": {"line": fit_line(pts, "padded_tokens")}, "use": "line"},
         "source": "measured",
-        "command": "python -m carpool.twin profile",
+        "command": "python -m carpool_twin profile",
         "measured_at": "2026-11-26T00:00:00+00:00",
     }
     entry.update(overrides)
@@ -155,13 +155,13 @@ TINY_CONFIGS = {
     },
 }
 
-# Ray, FastAPI and pydantic are made unimportable before carpool.twin loads: a GPU machine
+# Ray, FastAPI and pydantic are made unimportable before carpool_twin loads: a GPU machine
 # without them must be able to measure a profile.
 NO_SERVING_STACK = """
 import sys
 for name in ("ray", "fastapi", "pydantic", "starlette"):
     sys.modules[name] = None
-from carpool.twin.cli import main
+from carpool_twin.cli import main
 code = main(sys.argv[1:])
 leaked = [m for m in ("ray", "fastapi", "pydantic") if sys.modules.get(m) is not None]
 assert not leaked, leaked
@@ -233,7 +233,7 @@ applications:
 def test_a_slow_first_run_warms_the_shape_and_is_never_the_timing() -> None:
     import time
 
-    from carpool.twin.measure import MeasureOptions, time_pass
+    from carpool_twin.measure import MeasureOptions, time_pass
 
     calls: list[int] = []
 
@@ -245,3 +245,16 @@ def test_a_slow_first_run_warms_the_shape_and_is_never_the_timing() -> None:
     timing = time_pass(run, MeasureOptions(max_point_s=0.01, min_time_s=0.0))
     assert len(timing["samples_ms"]) >= 2
     assert timing["ms"] < 30
+
+
+def test_check_validates_every_shipped_profile(capsys: pytest.CaptureFixture[str]) -> None:
+    """docs/twin.md's `python -m carpool_twin check profiles/*.json`: cost and path profiles."""
+    from carpool_twin.cli import main
+
+    shipped = sorted(
+        str(p) for p in (Path(__file__).resolve().parents[2] / "profiles").glob("*.json")
+    )
+    assert len(shipped) >= 3
+    assert main(["check", *shipped]) == 0
+    out = capsys.readouterr().out
+    assert out.count(": ok (") == len(shipped), out

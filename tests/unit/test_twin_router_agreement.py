@@ -1,7 +1,7 @@
 """The twin routes ``auto`` as the router does: same requests and seed, same decisions.
 
 The serving router (``RouterServer.generate`` over fake async generators) and the twin
-(``carpool.twin.sim.Twin._route`` on its event loop) both drive the router's flow
+(``carpool_twin.sim.Twin._route`` on its event loop) both drive the router's flow
 (``plan`` -> gate -> call -> ``after_answer`` -> ``finish``). Each driver still translates its
 own world: the async one reads a generator's answer dict, the twin a ``SimRequest``. This test
 feeds both the same requests (varied prompts, ``max_tokens``, small answers that are cut off,
@@ -21,8 +21,8 @@ from typing import Any
 import numpy as np
 import pytest
 
-from carpool.twin.replicas import GeneratorReplica, SimRequest
-from carpool.twin.sim import Pool, Twin
+from carpool_twin.replicas import GeneratorReplica, SimRequest
+from carpool_twin.sim import Pool, Twin
 from router.core import RouterServer
 
 PROMPTS = [
@@ -60,7 +60,7 @@ def requests(seed: int, n: int) -> list[SimRequest]:
 
 
 def call_of(req: SimRequest) -> dict[str, Any]:
-    """The call the twin's router sees for ``req`` (carpool.twin.sim.Twin._route)."""
+    """The call the twin's router sees for ``req`` (carpool_twin.sim.Twin._route)."""
     return {"prompts": [req.text], "max_tokens": req.max_tokens}
 
 

@@ -1,4 +1,4 @@
-"""Re-timing a profile's embedder passes through a serving replica (carpool.twin.serving),
+"""Re-timing a profile's embedder passes through a serving replica (carpool_twin.serving),
 against a fake embed pipeline that runs passes at a known price and keeps /v1/stats as the
 replica does (means and counts)."""
 
@@ -11,8 +11,8 @@ from typing import Any
 import httpx
 import pytest
 
-from carpool.twin.profile import ProfileError, validate_profile
-from carpool.twin.serving import retime_profile, token_rows
+from carpool_twin.profile import ProfileError, validate_profile
+from carpool_twin.serving import retime_profile, token_rows
 
 
 def quiet_ms(rows: int, length: int) -> float:
@@ -66,7 +66,7 @@ def _measured(role: str, name: str, kind: str) -> dict[str, Any]:
         "dtype": "float32",
         "threads": 1,
         "source": "measured",
-        "command": "python -m carpool.twin profile",
+        "command": "python -m carpool_twin profile",
         "measured_at": "2026-11-26T00:00:00+00:00",
     }
 
@@ -123,7 +123,7 @@ def test_token_rows_have_the_exact_shape() -> None:
 def test_passes_are_priced_at_what_the_replica_ran() -> None:
     # Splits the 64 x 64 request into two passes, and cuts the 128-id inputs to 100.
     fake = FakeEmbedPipeline(cap=2048, max_length=100)
-    out = _retime(fake, min_time_s=0.0, command="python -m carpool.twin serving-profile ...")
+    out = _retime(fake, min_time_s=0.0, command="python -m carpool_twin serving-profile ...")
     validate_profile(out)
     entry = out["models"][0]
     by_shape = {(p["length"], p["padded_tokens"]): p for p in entry["pass"]["points"]}
@@ -146,7 +146,7 @@ def test_passes_are_priced_at_what_the_replica_ran() -> None:
         quiet_ms(r, n) for r, n in [(1, 16), (4, 64), (16, 128), (64, 64)]
     ]
     assert entry["serving"]["url"] == "http://x/embed"
-    assert entry["command"].startswith("python -m carpool.twin serving-profile")
+    assert entry["command"].startswith("python -m carpool_twin serving-profile")
     # The generator entry is left as it was, and every request was one shape of the grid.
     assert out["models"][1] == _profile()["models"][1]
     assert all(len({len(ids) for ids in body}) == 1 for body in fake.bodies)

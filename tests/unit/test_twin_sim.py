@@ -14,9 +14,9 @@ from pathlib import Path
 import pytest
 
 from carpool.config import BatchingConfig
-from carpool.twin.profile import load_profile
-from carpool.twin.replicas import EncoderReplica, GeneratorReplica, SimRequest
-from carpool.twin.sim import (
+from carpool_twin.profile import load_profile
+from carpool_twin.replicas import EncoderReplica, GeneratorReplica, SimRequest
+from carpool_twin.sim import (
     Overheads,
     PathStage,
     Pool,
@@ -25,7 +25,7 @@ from carpool.twin.sim import (
     percentile,
     poisson,
 )
-from carpool.twin.topology import TwinSpec
+from carpool_twin.topology import TwinSpec
 
 ROOT = Path(__file__).resolve().parents[2]
 

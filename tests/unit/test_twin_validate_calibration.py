@@ -10,8 +10,8 @@ import pytest
 from benchmarks.twin_common import SEED, embed_requests, replica_passes
 from benchmarks.twin_report import embed_pass_scale, embed_spec
 from benchmarks.workloads import embed_workload
-from carpool.twin.calibrate import priced_pass_ms
-from carpool.twin.profile import load_profile
+from carpool_twin.calibrate import priced_pass_ms
+from carpool_twin.profile import load_profile
 
 ROOT = Path(__file__).resolve().parents[2]
 

@@ -20,10 +20,10 @@ from benchmarks.twin_report import (
     loaded_pass_scale,
 )
 from benchmarks.workloads import embed_workload
-from carpool.twin.profile import load_profile
-from carpool.twin.replicas import GeneratorReplica
-from carpool.twin.sim import Overheads
-from carpool.twin.topology import TwinSpec
+from carpool_twin.profile import load_profile
+from carpool_twin.replicas import GeneratorReplica
+from carpool_twin.sim import Overheads
+from carpool_twin.topology import TwinSpec
 
 ROOT = Path(__file__).resolve().parents[2]
 PROFILE = ROOT / "profiles" / "cpu-2core.json"

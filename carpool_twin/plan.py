@@ -20,10 +20,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from carpool.twin.path import ServingPath
-from carpool.twin.sim import Overheads, SimResult
-from carpool.twin.topology import ENCODERS, TwinSpec, _load
-from carpool.twin.traffic import Traffic
+from carpool_twin.path import ServingPath
+from carpool_twin.sim import Overheads, SimResult
+from carpool_twin.topology import ENCODERS, TwinSpec, _load
+from carpool_twin.traffic import Traffic
 
 ROLES_OF = {"embed": ("embedder",), "rank": ("ranker",), "generate": ("small", "large")}
 MAX_REPLICAS = 64  # per model: the search stops there and reports the SLO missed

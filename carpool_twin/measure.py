@@ -25,7 +25,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from carpool.twin.profile import ProfileError, choose_fit, fit_line, fit_terms
+from carpool_twin.profile import ProfileError, choose_fit, fit_line, fit_terms
 
 ENCODER_ROWS = (1, 4, 16, 64, 256)
 ENCODER_LENGTHS = (16, 64, 128, 256, 512)

@@ -6,7 +6,7 @@ through its ``admitted()`` block, the ``LengthAwareExecutor``'s planning of the 
 the ``PassCostModel`` learning from each pass), and a generator replica plans each engine
 step with ``carpool.generation.scheduler.Scheduler`` and admits with
 ``carpool.admission.slot_refusal``. What a pass costs comes from a cost profile entry
-(``carpool.twin.profile.predict_ms``), times ``scale``.
+(``carpool_twin.profile.predict_ms``), times ``scale``.
 
 Time is the simulation's clock in seconds; nothing here sleeps or reads a wall clock except
 where carpool's own code does for deadlines, which the twin does not set.
@@ -24,7 +24,7 @@ from carpool.config import BatchingConfig
 from carpool.errors import RequestError
 from carpool.generation.scheduler import Scheduler, SchedulerLimits
 from carpool.server import BatchedModelServer
-from carpool.twin.profile import predict_ms
+from carpool_twin.profile import predict_ms
 
 
 @dataclass(eq=False)

@@ -1,12 +1,12 @@
 """The discrete-event twin of a carpool cluster: ingress, router and model replicas.
 
 A request goes through the serving path's CPU stages (``Overheads.path``, from
-``carpool.twin.path``: the node's HTTP process, its pipeline's ingress replicas), a fixed
+``carpool_twin.path``: the node's HTTP process, its pipeline's ingress replicas), a fixed
 serving latency (hops, serialisation), the router when it asks for ``model: auto`` (the
 router's own flow, ``router.core.RouterServer``'s ``plan`` / ``after_answer`` / ``finish`` and
 its ``router.gate`` admission, driven by events), then a deployment's replicas, picked the way
 Serve's router does (the less loaded of two, within ``max_ongoing_requests``; beyond that
-requests queue in the handle up to ``max_queued_requests``). Replicas are ``carpool.twin.replicas``:
+requests queue in the handle up to ``max_queued_requests``). Replicas are ``carpool_twin.replicas``:
 carpool's admission, executor planning and step scheduler, with profile-priced passes.
 
 Load is open (a list of ``(arrival_s, SimRequest)``, e.g. Poisson or a trace) or closed
@@ -27,7 +27,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from carpool.errors import RequestError
-from carpool.twin.replicas import EncoderReplica, GeneratorReplica, SimRequest, Work
+from carpool_twin.replicas import EncoderReplica, GeneratorReplica, SimRequest, Work
 from router.choice import LARGE, SMALL, SmallOutcome
 from router.core import RouterServer, share_of_cap
 

@@ -1,11 +1,11 @@
-"""``python -m carpool.twin``: measure a cost profile (``profile``) or check one (``check``);
+"""``python -m carpool_twin``: measure a cost profile (``profile``) or check one (``check``);
 keep a path benchmark's CPU per request as a path profile (``path-profile``).
 
-    python -m carpool.twin profile --config serve.yaml --out profiles/
-    python -m carpool.twin profile --config serve-gpu.yaml --device cuda --dtype bfloat16,float32 \\
+    python -m carpool_twin profile --config serve.yaml --out profiles/
+    python -m carpool_twin profile --config serve-gpu.yaml --device cuda --dtype bfloat16,float32 \\
         --random-weights --models-dir .devprof/models --out "$OUT"
-    python -m carpool.twin check profiles/cpu-2core.json
-    python -m carpool.twin path-profile benchmarks/results/path-smoke.json --out profiles/
+    python -m carpool_twin check profiles/cpu-2core.json
+    python -m carpool_twin path-profile benchmarks/results/path-smoke.json --out profiles/
 
 Models are measured one after another in this process, one (dtype, threads) variant at a
 time; a variant that fails (out of memory, a missing config) is recorded under ``failed`` and
@@ -28,8 +28,8 @@ import time
 from pathlib import Path
 from typing import Any
 
-from carpool.twin.measure import MeasureOptions, measure_model, models_from_serve_config
-from carpool.twin.profile import PROFILE_KIND, SCHEMA_VERSION, load_profile, save_profile
+from carpool_twin.measure import MeasureOptions, measure_model, models_from_serve_config
+from carpool_twin.profile import PROFILE_KIND, SCHEMA_VERSION, load_profile, save_profile
 
 
 def _cpu_model() -> str:
@@ -149,7 +149,7 @@ def profile_command(args: argparse.Namespace, argv: list[str]) -> int:
         specs = [s for s in specs if s.role in wanted]
     hw = hardware(args.device)
     threads = [int(t) for t in _list(args.threads)] if args.threads else [None]
-    command = "python -m carpool.twin " + shlex.join(argv)
+    command = "python -m carpool_twin " + shlex.join(argv)
     # Other work on the machine slows every pass: the load seen before and after is recorded.
     load_before = [round(v, 2) for v in os.getloadavg()]
     started = time.monotonic()
@@ -253,7 +253,7 @@ def summary(entry: dict[str, Any]) -> str:
 
 
 def parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="python -m carpool.twin", description=__doc__.split("\n")[0])
+    p = argparse.ArgumentParser(prog="python -m carpool_twin", description=__doc__.split("\n")[0])
     sub = p.add_subparsers(dest="command", required=True)
     m = sub.add_parser("profile", help="measure a cost profile on this machine")
     m.add_argument("--config", default="serve.yaml", help="serve config whose models to time")
@@ -294,7 +294,7 @@ def parser() -> argparse.ArgumentParser:
     c.add_argument("paths", nargs="+")
     pp = sub.add_parser(
         "path-profile",
-        help="the serving path's CPU-ms per request by component (carpool.twin.path), from "
+        help="the serving path's CPU-ms per request by component (carpool_twin.path), from "
         "`python -m benchmarks path`'s JSON",
     )
     pp.add_argument("bench", help="the benchmark's JSON, e.g. benchmarks/results/path-smoke.json")
@@ -306,7 +306,13 @@ def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     args = parser().parse_args(argv)
     if args.command == "check":
+        from carpool_twin.path import PATH_KIND, load_path_profile
+
         for path in args.paths:
+            if json.loads(Path(path).read_text()).get("kind") == PATH_KIND:
+                modes = load_path_profile(path)["modes"]
+                print(f"{path}: ok (serving path, modes {', '.join(sorted(modes))})")
+                continue
             profile = load_profile(path)
             print(f"{path}: ok ({profile['name']}, {len(profile['models'])} entries)")
             for entry in profile["models"]:
@@ -320,10 +326,10 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def path_profile_command(args: argparse.Namespace, argv: list[str]) -> int:
-    from carpool.twin.path import extract_path, validate_path_profile
+    from carpool_twin.path import extract_path, validate_path_profile
 
     bench = json.loads(Path(args.bench).read_text())
-    doc = extract_path(bench, args.bench, "python -m carpool.twin " + shlex.join(argv))
+    doc = extract_path(bench, args.bench, "python -m carpool_twin " + shlex.join(argv))
     doc["created"] = datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds")
     validate_path_profile(doc)
     out = Path(args.out)
@@ -338,7 +344,7 @@ def path_profile_command(args: argparse.Namespace, argv: list[str]) -> int:
 
 
 def serving_profile_command(args: argparse.Namespace, argv: list[str]) -> int:
-    from carpool.twin.serving import retime_profile
+    from carpool_twin.serving import retime_profile
 
     def log(message: str) -> None:
         print(f"[{time.strftime('%H:%M:%S')}] {message}", file=sys.stderr, flush=True)
@@ -347,7 +353,7 @@ def serving_profile_command(args: argparse.Namespace, argv: list[str]) -> int:
         load_profile(args.profile),
         args.url,
         _list(args.models),
-        "python -m carpool.twin " + shlex.join(argv),
+        "python -m carpool_twin " + shlex.join(argv),
         args.min_time_s,
         log=log,
     )

@@ -242,7 +242,7 @@ def validate_profile(profile: Mapping[str, Any]) -> None:
     if version != SCHEMA_VERSION:
         raise ProfileError(
             f"profile schema_version is {version!r}; this carpool reads version {SCHEMA_VERSION}. "
-            "Re-measure it with `python -m carpool.twin profile` or convert it"
+            "Re-measure it with `python -m carpool_twin profile` or convert it"
         )
     if profile.get("kind") != PROFILE_KIND:
         raise ProfileError(f"profile kind is {profile.get('kind')!r}; expected {PROFILE_KIND!r}")

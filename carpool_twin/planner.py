@@ -1,12 +1,12 @@
-"""``python -m carpool.plan``: replica counts and batching knobs for a target, from the twin.
+"""``python -m carpool_twin.planner``: replica counts and batching knobs for a target, from the twin.
 
-    python -m carpool.plan --config serve-gpu.yaml --profile profiles/gpu-h200.json \\
+    python -m carpool_twin.planner --config serve-gpu.yaml --profile profiles/gpu-h200.json \\
         --traffic "embed=400,rank=20,generate=30" --slo "p99_ms=500" [--gpus 8] --out plan/
 
 Writes ``plan/overlay.yaml`` (per deployment: ``num_replicas`` and changed ``user_config``),
 ``plan/serve.planned.yaml`` (the config with the overlay applied), ``plan/plan.json`` and
 ``plan/plan.md`` (throughput, p50/p99, GPUs and CPUs, cost per million items or tokens at
-the stated prices). The search itself is ``carpool.twin.plan``; docs/planning.md.
+the stated prices). The search itself is ``carpool_twin.plan``; docs/planning.md.
 """
 
 from __future__ import annotations
@@ -17,10 +17,10 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from carpool.twin.path import MODES, ServingPath
-from carpool.twin.plan import Planner, Slo, apply_overlay, bottlenecks, overlay_of
-from carpool.twin.profile import load_profile
-from carpool.twin.traffic import parse_traffic
+from carpool_twin.path import MODES, ServingPath
+from carpool_twin.plan import Planner, Slo, apply_overlay, bottlenecks, overlay_of
+from carpool_twin.profile import load_profile
+from carpool_twin.traffic import parse_traffic
 
 
 def table(rows: list[dict[str, Any]], price_gpu_h: float, price_cpu_h: float) -> str:
@@ -42,7 +42,9 @@ def table(rows: list[dict[str, Any]], price_gpu_h: float, price_cpu_h: float) ->
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m carpool.plan", description=__doc__.split("\n")[0])
+    p = argparse.ArgumentParser(
+        prog="python -m carpool_twin.planner", description=__doc__.split("\n")[0]
+    )
     p.add_argument("--config", required=True, help="serve config to plan (serve-gpu.yaml)")
     p.add_argument("--profile", required=True, help="cost profile (profiles/*.json)")
     p.add_argument(
@@ -92,7 +94,7 @@ def main(argv: list[str] | None = None) -> int:
     )
     doc = {
         "command": " ".join(
-            ["python -m carpool.plan", *(argv if argv is not None else sys.argv[1:])]
+            ["python -m carpool_twin.planner", *(argv if argv is not None else sys.argv[1:])]
         ),
         "profile": {"name": profile.get("name"), "hardware": profile.get("hardware")},
         "traffic": {"source": traffic.source, "scale": scale, "rates": traffic.rates()},

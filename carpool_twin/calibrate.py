@@ -30,9 +30,9 @@ import copy
 import math
 from collections.abc import Sequence
 
-from carpool.twin.replicas import SimRequest
-from carpool.twin.sim import Overheads
-from carpool.twin.topology import TwinSpec
+from carpool_twin.replicas import SimRequest
+from carpool_twin.sim import Overheads
+from carpool_twin.topology import TwinSpec
 
 
 def priced_pass_ms(spec: TwinSpec, role: str, requests: Sequence[SimRequest], count: int) -> float:

@@ -4,7 +4,7 @@ Before a model sees a request it crosses the same CPU stages: the HTTP process o
 lands on (Ray's HAProxy, in C, as carpool ships; or Serve's Python proxy), its pipeline's
 ingress replica (one Python process: parsing, validation, fan-out, the answer's JSON), and
 for ``model: auto`` the router. ``python -m benchmarks path`` measures each one's CPU-ms per
-request from /proc; ``python -m carpool.twin path-profile`` keeps those figures, with where
+request from /proc; ``python -m carpool_twin path-profile`` keeps those figures, with where
 they came from, in a path profile (``profiles/path-cpu-2core.json``, loaded by default). A
 component's ceiling is then arithmetic::
 
@@ -13,7 +13,7 @@ component's ceiling is then arithmetic::
 with the cores from the serve config and the cluster's shape (``Layout``): HAProxy's threads
 on every node, one core per ingress replica (a Python process runs one thread at a time
 under the GIL; the router runs inside generate's), and the head node's cores for all that
-serve-gpu.yaml pins there. ``carpool.twin.project`` and the planner's ``bottlenecks`` compare
+serve-gpu.yaml pins there. ``carpool_twin.project`` and the planner's ``bottlenecks`` compare
 a mix with them; ``ServingPath.overheads`` makes them the whole-cluster twin's path stages
 (the head's shared cores are a bound there, not a stage). This module reads the benchmark's JSON
 file; it never imports the benchmarks package.
@@ -29,12 +29,12 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from carpool.twin.sim import Overheads, PathStage
-from carpool.twin.traffic import KINDS, Traffic
+from carpool_twin.sim import Overheads, PathStage
+from carpool_twin.traffic import KINDS, Traffic
 
 PATH_KIND = "carpool-path-profile"
 SCHEMA_VERSION = 1
-DEFAULT_PATH_PROFILE = Path(__file__).resolve().parents[2] / "profiles" / "path-cpu-2core.json"
+DEFAULT_PATH_PROFILE = Path(__file__).resolve().parents[1] / "profiles" / "path-cpu-2core.json"
 MODES = ("haproxy", "python-proxy")
 # The benchmark system measured for each mode, and the process class that is its HTTP layer.
 # For Serve's proxy, either system: carpool-previous differs from carpool-python-proxy only in
@@ -177,7 +177,7 @@ def validate_path_profile(doc: Mapping[str, Any]) -> None:
     if doc.get("kind") != PATH_KIND or doc.get("schema_version") != SCHEMA_VERSION:
         raise PathProfileError(
             f"kind {doc.get('kind')!r}, schema_version {doc.get('schema_version')!r}: expected "
-            f"{PATH_KIND!r} version {SCHEMA_VERSION}; write one with `python -m carpool.twin "
+            f"{PATH_KIND!r} version {SCHEMA_VERSION}; write one with `python -m carpool_twin "
             "path-profile`"
         )
     for key in ("name", "command", "benchmark", "modes", "default_mode"):

@@ -24,8 +24,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from carpool.twin.replicas import SimRequest
-from carpool.twin.sim import poisson
+from carpool_twin.replicas import SimRequest
+from carpool_twin.sim import poisson
 
 KINDS = ("embed", "rank", "generate")
 

@@ -1,7 +1,7 @@
 """A serve config, read as the twin's cluster: which pools, how many replicas, which knobs.
 
 ``TwinSpec.from_serve_config`` reads a serve config (``serve.yaml``, ``serve-gpu.yaml``) the
-way ``python -m carpool.twin profile`` does (models by role under each application's
+way ``python -m carpool_twin profile`` does (models by role under each application's
 ``args``, knobs from each deployment's ``user_config``), takes every model's cost from a
 profile entry, and applies an overlay: the same shape the planner writes, e.g.
 ``{"embedder": {"num_replicas": 2, "user_config": {"max_batch_tokens": 2048}},
@@ -18,9 +18,9 @@ from pathlib import Path
 from typing import Any
 
 from carpool.config import BatchingConfig, batched_max_ongoing
-from carpool.twin.profile import ProfileError, find_entry
-from carpool.twin.replicas import EncoderReplica, GeneratorReplica
-from carpool.twin.sim import Overheads, Pool, Twin
+from carpool_twin.profile import ProfileError, find_entry
+from carpool_twin.replicas import EncoderReplica, GeneratorReplica
+from carpool_twin.sim import Overheads, Pool, Twin
 
 ROLES = ("embedder", "ranker", "small", "large")
 ENCODERS = ("embedder", "ranker")
@@ -41,7 +41,7 @@ class PoolSpec:
     max_kv_tokens: int | None = None
     request_ms: float = 0.0  # replica-side serving work per request (tokenizing, answering)
     # The pool's passes under serving cost this many times the profile's bare pass (the
-    # replica's own pass timings in a calibration run: ``carpool.twin.calibrate``).
+    # replica's own pass timings in a calibration run: ``carpool_twin.calibrate``).
     pass_scale: float = 1.0
     step_ms: float = 0.0  # a generator's engine work per step outside its forward passes
     seq_ms: float = 0.0  # and per sequence in a step (sampling, text, its stream's event)
@@ -57,7 +57,7 @@ class TwinSpec:
     scale: float = 1.0  # every pass's profile cost times this (contention, another device)
     profile_name: str = ""
     # How generator decode steps are priced: "points" (the profile's measured points,
-    # ``carpool.twin.replicas.DecodeCurve``) or "fit" (the section's fitted plane).
+    # ``carpool_twin.replicas.DecodeCurve``) or "fit" (the section's fitted plane).
     decode_curve: str = "points"
 
     def build(self, seed: int = 0) -> Twin:

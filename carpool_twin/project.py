@@ -1,8 +1,8 @@
-"""``python -m carpool.twin.project``: a traffic mix projected onto clusters of N GPUs.
+"""``python -m carpool_twin.project``: a traffic mix projected onto clusters of N GPUs.
 
-For each N: the largest multiple of the mix whose plan (``carpool.twin.plan``) meets the SLO
+For each N: the largest multiple of the mix whose plan (``carpool_twin.plan``) meets the SLO
 within N GPUs; the same for each part of the serving path every request crosses, from its
-measured CPU per request (``carpool.twin.path``, the path profile): the HTTP layer (HAProxy's
+measured CPU per request (``carpool_twin.path``, the path profile): the HTTP layer (HAProxy's
 threads on every node with ``proxy_location: EveryNode``, the head included; or Serve's Python
 proxy, one core per node, with ``--ingress python-proxy``), each pipeline's ingress replicas
 (one core each, as many as the serve config allows), the router's replicas for ``auto``, and
@@ -10,7 +10,7 @@ the head node's cores, which serve-gpu.yaml's ingresses (and the router inside g
 is the bottleneck. The mix is then run at that multiple through one whole-cluster twin, every
 kind together through the path's stages, for the goodput and p99 the table shows.
 
-    python -m carpool.twin.project --config serve-gpu.yaml --profile profiles/gpu-h200.json \\
+    python -m carpool_twin.project --config serve-gpu.yaml --profile profiles/gpu-h200.json \\
         --dtype bfloat16 --traffic "embed=3,rank=1,generate=1" --slo p99_ms=500 --gpus 8,16,64
 """
 
@@ -23,12 +23,12 @@ import sys
 from collections.abc import Mapping
 from typing import Any
 
-from carpool.twin.path import HEAD_CORES, MODES, ServingPath
-from carpool.twin.plan import Choice, Planner, Slo, overlay_of
-from carpool.twin.profile import load_profile
-from carpool.twin.sim import Overheads
-from carpool.twin.topology import TwinSpec
-from carpool.twin.traffic import Traffic, parse_traffic
+from carpool_twin.path import HEAD_CORES, MODES, ServingPath
+from carpool_twin.plan import Choice, Planner, Slo, overlay_of
+from carpool_twin.profile import load_profile
+from carpool_twin.sim import Overheads
+from carpool_twin.topology import TwinSpec
+from carpool_twin.traffic import Traffic, parse_traffic
 
 
 def project(
@@ -154,12 +154,12 @@ def markdown(rows: list[dict[str, Any]]) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m carpool.twin.project", description=__doc__)
+    p = argparse.ArgumentParser(prog="python -m carpool_twin.project", description=__doc__)
     p.add_argument("--config", required=True)
     p.add_argument("--profile", required=True)
     p.add_argument("--dtype")
-    p.add_argument("--traffic", required=True, help="as python -m carpool.plan --traffic")
-    p.add_argument("--slo", required=True, help="as python -m carpool.plan --slo")
+    p.add_argument("--traffic", required=True, help="as python -m carpool_twin.planner --traffic")
+    p.add_argument("--slo", required=True, help="as python -m carpool_twin.planner --slo")
     p.add_argument("--gpus", default="8,16,64", help="cluster sizes, comma-separated")
     p.add_argument("--gpus-per-node", type=int, default=8)
     p.add_argument("--duration", type=float, default=60.0, help="simulated seconds per trial")
@@ -215,7 +215,7 @@ def main(argv: list[str] | None = None) -> int:
     text = markdown(rows)
     print(text)
     if args.out:
-        doc = {"command": " ".join(["python -m carpool.twin.project", *(argv or sys.argv[1:])]),
+        doc = {"command": " ".join(["python -m carpool_twin.project", *(argv or sys.argv[1:])]),
                "profile": profile.get("name"), "path_profile": path.source,
                "ingress_mode": path.mode, "path_cpu_ms": path.ms, "rows": rows}  # fmt: skip
         with open(args.out, "w") as f:

@@ -1,6 +1,6 @@
 """Re-times a profile's encoder passes in a running carpool replica, through its HTTP route.
 
-A bare forward pass (``carpool.twin.measure``) is not what a serving replica pays: there the
+A bare forward pass (``carpool_twin.measure``) is not what a serving replica pays: there the
 pass also builds its tensors from the request's ids, runs in a worker thread beside the
 replica's event loop (which shares the GIL with it between kernels) and shares the host with
 Serve's proxy, the ingress and the client. On a 2-core machine a replica's passes took
@@ -26,8 +26,8 @@ from typing import Any
 
 import httpx
 
-from carpool.twin.measure import fit_encoder_section
-from carpool.twin.profile import ProfileError
+from carpool_twin.measure import fit_encoder_section
+from carpool_twin.profile import ProfileError
 
 # The profile's quiet points stay in the entry under this key, for provenance and comparison.
 QUIET_KEY = "quiet_points"
