@@ -13,7 +13,7 @@ The flow of one request is three synchronous steps, so that it exists once:
 
 Between them a driver waits at the target's gate (``router.gate``) and calls the model.
 ``generate`` and ``stream`` here are the asyncio drivers; the digital twin
-(``carpool.twin.sim``) drives the same steps and gates from its event loop.
+(``carpool_twin.sim``) drives the same steps and gates from its event loop.
 
 Lanes with a shared target are priorities inside the router: each model has a bounded number
 of requests in flight (per live replica of it, ``share_of_cap``), and waiting requests are

@@ -9,7 +9,7 @@ answers False when its caller has already gone (the slot then goes to the next o
 
 Two drivers share it, so admission exists once: ``Gate`` (asyncio: a waiter's grant resolves
 its future; deadlines and cancellation) in the serving router, and the twin's event loop
-(``carpool.twin.sim``: a grant schedules the submission as an event).
+(``carpool_twin.sim``: a grant schedules the submission as an event).
 """
 
 from __future__ import annotations
