@@ -148,7 +148,7 @@ async def run_transformers_cb(
     config = ContinuousBatchingConfig(
         page_size=64,
         num_blocks=max(64, args.max_num_seqs * (args.max_tokens + 128) // 64 * 2),
-        max_batch_tokens=args.max_batch_tokens,
+        max_step_tokens=args.max_step_tokens,
         max_requests_per_batch=args.max_num_seqs,
     )
     gen = GenerationConfig(do_sample=False, max_new_tokens=args.max_tokens, eos_token_id=-1)
@@ -227,7 +227,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--min-tokens", type=int, default=8)
     parser.add_argument("--max-tokens", type=int, default=256)
     parser.add_argument("--max-num-seqs", type=int, default=16)
-    parser.add_argument("--max-batch-tokens", type=int, default=512)
+    parser.add_argument("--max-step-tokens", type=int, default=512)
     parser.add_argument("--threads", type=int, default=None, help="torch threads (default: all)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--warmup", type=int, default=1, help="warm-up requests per mode")
@@ -257,7 +257,7 @@ def main(argv: list[str] | None = None) -> int:
             "mode": engine_mode,
             "batching": {
                 "max_num_seqs": args.max_num_seqs,
-                "max_batch_tokens": args.max_batch_tokens,
+                "max_step_tokens": args.max_step_tokens,
                 # Contended machines can be slow; the measurement must not time out.
                 "request_timeout_s": 3600,
             },
@@ -380,7 +380,7 @@ def main(argv: list[str] | None = None) -> int:
             "greedy": True,
             "ignore_eos": True,
         },
-        "engine": {"max_num_seqs": args.max_num_seqs, "max_batch_tokens": args.max_batch_tokens},
+        "engine": {"max_num_seqs": args.max_num_seqs, "max_step_tokens": args.max_step_tokens},
         "torch_threads": threads,
         "machine": {"cpus": os.cpu_count(), "python": platform.python_version()},
         "results": results,

@@ -22,8 +22,8 @@ GEN_CLIENTS = (4, 16, 64)
 # Generation configurations: knobs, and the client counts each is measured at. serve.yaml's
 # small generator runs 64 sequences and 512-token steps; the other batches 16 sequences.
 GEN_CONFIGS: dict[str, tuple[dict[str, Any], tuple[int, ...]]] = {
-    "default": ({"max_num_seqs": 64, "max_batch_tokens": 512}, GEN_CLIENTS),
-    "max_num_seqs_16": ({"max_num_seqs": 16, "max_batch_tokens": 512}, (64,)),
+    "default": ({"max_num_seqs": 64, "max_step_tokens": 512}, GEN_CLIENTS),
+    "max_num_seqs_16": ({"max_num_seqs": 16, "max_step_tokens": 512}, (64,)),
 }
 # Slots sized to the workloads (prompts of at most a few hundred tokens plus 256 generated):
 # 64 x 641 x 46,080 bytes/token (SmolLM2) = 1.9 GB, under the default 2048 MB KV ceiling.

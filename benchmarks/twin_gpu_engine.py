@@ -41,9 +41,9 @@ from benchmarks.twin_common import (
 
 CONFIGS: dict[str, tuple[dict[str, Any], tuple[int, ...]]] = {
     # No collector in front of the engine: its arrivals reach the scheduler at once.
-    "default": ({"max_num_seqs": 64, "max_batch_tokens": 512, "batch_wait_timeout_s": 0.0},
+    "default": ({"max_num_seqs": 64, "max_step_tokens": 512, "batch_wait_timeout_s": 0.0},
                 (4, 16, 64)),
-    "max_num_seqs_16": ({"max_num_seqs": 16, "max_batch_tokens": 512,
+    "max_num_seqs_16": ({"max_num_seqs": 16, "max_step_tokens": 512,
                          "batch_wait_timeout_s": 0.0}, (64,)),
 }  # fmt: skip
 
@@ -54,7 +54,7 @@ def make(model: Any, tokenizer: Any, knobs: dict[str, Any]) -> Any:
     from carpool.generation.sequence import TokenizerInfo
 
     info = TokenizerInfo.from_tokenizer(tokenizer, getattr(model, "generation_config", None))
-    limits = SchedulerLimits(knobs["max_num_seqs"], knobs["max_batch_tokens"])
+    limits = SchedulerLimits(knobs["max_num_seqs"], knobs["max_step_tokens"])
     return make_engine("continuous", model, info, limits, GEN_MAX_SEQ_LEN)
 
 

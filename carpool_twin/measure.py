@@ -52,7 +52,8 @@ class ModelSpec:
     kind: str  # encoder | ranker_llm | cross_encoder | generator
     source: str
     max_batch_items: int = 64
-    max_batch_tokens: int = DEFAULT_MAX_BATCH_TOKENS
+    max_batch_tokens: int = DEFAULT_MAX_BATCH_TOKENS  # encoders: per pass
+    max_step_tokens: int = DEFAULT_STEP_TOKENS  # generators: per engine step
     max_num_seqs: int = DEFAULT_MAX_NUM_SEQS
     max_seq_len: int = DEFAULT_MAX_SEQ_LEN
     max_length: int | None = None
@@ -111,7 +112,7 @@ def models_from_serve_config(path: str | Path) -> list[ModelSpec]:
                     role,
                     kind,
                     source["model"],
-                    max_batch_tokens=int(knobs.get("max_batch_tokens", DEFAULT_STEP_TOKENS)),
+                    max_step_tokens=int(knobs.get("max_step_tokens", DEFAULT_STEP_TOKENS)),
                     max_num_seqs=int(knobs.get("max_num_seqs", DEFAULT_MAX_NUM_SEQS)),
                     max_seq_len=int(
                         limits.get("max_seq_len") or source.get("max_length") or DEFAULT_MAX_SEQ_LEN
@@ -362,7 +363,7 @@ def measure_generator(model: Any, spec: ModelSpec, opts: MeasureOptions) -> dict
         return lambda: runner.forward(0, chunks, [p["context"]] * p["batch"])
 
     token_grid = (8, 32, 64) if opts.quick else PREFILL_TOKENS
-    step = min(spec.max_batch_tokens, max_len)
+    step = min(spec.max_step_tokens, max_len)
     prefill_points: list[dict[str, Any]] = []
     for rows in (1, *PREFILL_ROWS):
         for t in token_grid:
@@ -407,7 +408,7 @@ def measure_generator(model: Any, spec: ModelSpec, opts: MeasureOptions) -> dict
             "runner": "carpool.generation.runner.SlotRunner",
             "packed_weights": runner.packed,
             "max_num_seqs": spec.max_num_seqs,
-            "max_batch_tokens": spec.max_batch_tokens,
+            "max_step_tokens": spec.max_step_tokens,
             "max_seq_len": max_len,
         },
         "prefill": prefill_section,
@@ -454,7 +455,7 @@ def measure_model(spec: ModelSpec, opts: MeasureOptions) -> dict[str, Any]:
         "limits": {
             k: getattr(spec, k)
             for k in (
-                ("max_num_seqs", "max_batch_tokens", "max_seq_len")
+                ("max_num_seqs", "max_step_tokens", "max_seq_len")
                 if spec.kind == "generator"
                 else ("max_batch_items", "max_batch_tokens", "max_length")
             )

@@ -3,7 +3,7 @@
 For each request kind (``embed`` -> embedder, ``rank`` -> ranker, ``generate`` -> small and
 large behind the router) the planner tries a small grid of knobs around the config's own
 (``max_batch_tokens`` and ``pass_overhead_tokens`` for encoders, ``max_num_seqs`` and
-``max_batch_tokens`` for generators, the router's ``max_in_flight_per_replica``) and, for
+``max_step_tokens`` for generators, the router's ``max_in_flight_per_replica``) and, for
 each, adds replicas to the busiest model until the twin says the SLO holds at the offered
 traffic; it keeps the cheapest (GPUs, then cores, then p99). Kinds use disjoint deployments,
 so they are planned apart; what they share (the HTTP proxies, the router) is checked against
@@ -127,10 +127,10 @@ def knob_grid(role: str, knobs: Mapping[str, Any]) -> list[dict[str, Any]]:
         grid += [{"pass_overhead_tokens": v} for v in (max(8, over // 4), over * 4)]
         return grid
     seqs = int(knobs.get("max_num_seqs", 64))
-    mbt = int(knobs.get("max_batch_tokens", 512))
+    step = int(knobs.get("max_step_tokens", 512))
     grid = [{}]
-    grid += [{"max_num_seqs": v} for v in (seqs // 2, seqs * 2) if 1 <= v <= mbt and v <= 256]
-    grid += [{"max_batch_tokens": mbt * 4}]
+    grid += [{"max_num_seqs": v} for v in (seqs // 2, seqs * 2) if 1 <= v <= step and v <= 256]
+    grid += [{"max_step_tokens": step * 4}]
     return grid
 
 

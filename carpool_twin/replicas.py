@@ -344,7 +344,7 @@ class GeneratorReplica:
         self.step_overhead_ms = step_overhead_ms
         self.seq_overhead_ms = seq_overhead_ms
         self.limits = SchedulerLimits(
-            int(knobs.get("max_num_seqs", 16)), int(knobs.get("max_batch_tokens", 512))
+            int(knobs.get("max_num_seqs", 16)), int(knobs.get("max_step_tokens", 512))
         )
         self.scheduler: Scheduler[_Seq] = Scheduler(self.limits, "priority")
         self.max_waiting = int(knobs.get("max_waiting", 256))

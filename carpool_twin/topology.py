@@ -202,7 +202,7 @@ def _pool(
         max_kv = int(limits["max_kv_cache_mb"]) * 2**20 // int(entry["kv_bytes_per_token"])
     vllm = body.get("vllm") or {}
     knobs.setdefault("max_num_seqs", vllm.get("max_num_seqs", 64))
-    knobs.setdefault("max_batch_tokens", vllm.get("max_num_batched_tokens", 512))
+    knobs.setdefault("max_step_tokens", vllm.get("max_num_batched_tokens", 512))
     ongoing = int(deployment.get("max_ongoing_requests") or GENERATOR_MAX_ONGOING)
     return PoolSpec(
         role,

@@ -128,7 +128,7 @@ class GeneratorServer:
                 self.bytes_per_token,
                 self.config.limits.max_kv_cache_mb,
             )
-        self.engine.set_limits(b.max_num_seqs, b.max_batch_tokens)
+        self.engine.set_limits(b.max_num_seqs, b.max_step_tokens)
         self.batching = b
 
     def describe(self) -> dict[str, Any]:

@@ -61,7 +61,7 @@ def _generator(model: str, mode: str, name: str) -> dict[str, Any]:
         "mode": mode,
         "replica": {"num_cpus": 0.25, "torch_threads": 1},
         "limits": {"max_seq_len": 512, "max_tokens_limit": MAX_TOKENS, "default_max_tokens": 8},
-        "batching": {"max_num_seqs": 8, "max_batch_tokens": 512, "batch_wait_timeout_s": 0.005},
+        "batching": {"max_num_seqs": 8, "max_step_tokens": 512, "batch_wait_timeout_s": 0.005},
     }
 
 

@@ -33,7 +33,7 @@ ENGINES = ("continuous", "vllm")
 def server_config(
     model: str,
     max_num_seqs: int,
-    max_batch_tokens: int = 512,
+    max_step_tokens: int = 512,
     engine: str = "continuous",
     priority: bool = False,
     aging: float = 50.0,
@@ -57,7 +57,7 @@ def server_config(
         "limits": {"max_seq_len": 512, "max_tokens_limit": 256},
         "batching": {
             "max_num_seqs": max_num_seqs,
-            "max_batch_tokens": max_batch_tokens,
+            "max_step_tokens": max_step_tokens,
             "max_waiting": 4096,
             "batch_wait_timeout_s": 0.005,
         },
@@ -73,10 +73,10 @@ def server_config(
     return config
 
 
-def make_server(model: str, max_num_seqs: int, max_batch_tokens: int = 512, **engine: Any) -> Any:
+def make_server(model: str, max_num_seqs: int, max_step_tokens: int = 512, **engine: Any) -> Any:
     from deployments.generator import GeneratorServer
 
-    return GeneratorServer(server_config(model, max_num_seqs, max_batch_tokens, **engine))
+    return GeneratorServer(server_config(model, max_num_seqs, max_step_tokens, **engine))
 
 
 async def _run_all(server: Any, calls: list[dict[str, Any]]) -> list[dict[str, Any]]:
@@ -90,7 +90,7 @@ def true_lengths(refresh: bool) -> dict[str, int]:
         cached = json.loads(LENGTHS_PATH.read_text())
         if cached.get("model") == SMALL_MODEL and len(cached["lengths"]) == len(prompts):
             return cached["lengths"]
-    server = make_server(SMALL_MODEL, max_num_seqs=32, max_batch_tokens=1024)
+    server = make_server(SMALL_MODEL, max_num_seqs=32, max_step_tokens=1024)
     try:
         start = time.perf_counter()
         calls = [

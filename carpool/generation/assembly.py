@@ -32,7 +32,7 @@ from carpool.generation.text import IncrementalDecoder
 logger = logging.getLogger(__name__)
 
 # An engine with work that has not finished a step for this long is wedged (a hung device
-# call, a deadlock). A step is one forward pass over at most max_batch_tokens, seconds even
+# call, a deadlock). A step is one forward pass over at most max_step_tokens, seconds even
 # on CPU, so two minutes only trips on a real hang; health checks then fail and Serve
 # replaces the replica.
 STALL_S = 120.0
@@ -132,11 +132,11 @@ class EngineCore(ABC):
             )
         return None
 
-    def set_limits(self, max_num_seqs: int, max_batch_tokens: int) -> None:
+    def set_limits(self, max_num_seqs: int, max_step_tokens: int) -> None:
         """Applies new bounds (from reconfigure); running sequences above them finish normally."""
-        SchedulerLimits(max_num_seqs, max_batch_tokens)  # validates before anything changes
+        SchedulerLimits(max_num_seqs, max_step_tokens)  # validates before anything changes
         self.limits.max_num_seqs = max_num_seqs
-        self.limits.max_batch_tokens = max_batch_tokens
+        self.limits.max_step_tokens = max_step_tokens
 
     def estimated_wait_s(self, extra: int = 0) -> float:
         """Time until a request queued now (behind ``extra`` more) gets a slot, roughly.

@@ -31,12 +31,13 @@ class GeneratorBatching(StrictModel):
         description="Sequences running at once (each holds a KV slot); arrivals beyond "
         "this wait for a slot.",
     )
-    max_batch_tokens: int = Field(
+    max_step_tokens: int = Field(
         default=512,
         ge=1,
         le=131_072,
         description="Tokens computed per engine step: one per decoding sequence plus the "
-        "padded prefill chunk tokens. Long prompts are prefilled in chunks within it.",
+        "padded prefill chunk tokens. Long prompts are prefilled in chunks within it. (The "
+        "encoders' max_batch_tokens is a per-pass budget; this one is per step.)",
     )
     batch_wait_timeout_s: float = Field(
         default=0.005,
@@ -93,11 +94,24 @@ class GeneratorBatching(StrictModel):
         "previous message (checked as tokens arrive); 0 sends whatever is ready at once.",
     )
 
+    @model_validator(mode="before")
+    @classmethod
+    def _old_name(cls, data: Any) -> Any:
+        # The encoders' max_batch_tokens budgets one forward pass; a generator's budgets one
+        # engine step, a different quantity at a different scale (8,192 vs 512 shipped).
+        if isinstance(data, dict) and "max_batch_tokens" in data:
+            raise ValueError(
+                "max_batch_tokens is the encoders' per-pass budget; a generator's per-step "
+                "token budget is max_step_tokens: rename max_batch_tokens to max_step_tokens "
+                "in this generator's user_config"
+            )
+        return data
+
     @model_validator(mode="after")
     def _tokens_cover_seqs(self) -> GeneratorBatching:
-        if self.max_batch_tokens < self.max_num_seqs:
+        if self.max_step_tokens < self.max_num_seqs:
             raise ValueError(
-                f"max_batch_tokens ({self.max_batch_tokens}) must be at least max_num_seqs "
+                f"max_step_tokens ({self.max_step_tokens}) must be at least max_num_seqs "
                 f"({self.max_num_seqs}): each running sequence decodes one token per step"
             )
         return self

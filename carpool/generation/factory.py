@@ -75,7 +75,7 @@ def load_engine(cfg: GeneratorConfig, model: Any = None, tokenizer: Any = None) 
     from carpool.models import resolve_model_source
     from carpool.threads import size_torch_threads
 
-    limits = SchedulerLimits(cfg.batching.max_num_seqs, cfg.batching.max_batch_tokens)
+    limits = SchedulerLimits(cfg.batching.max_num_seqs, cfg.batching.max_step_tokens)
     path = (
         None
         if model is not None and tokenizer is not None

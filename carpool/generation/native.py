@@ -2,7 +2,7 @@
 
 - ``ContinuousEngine`` (iteration-level batching): every step decodes one token for each
   running sequence and prefills prompt chunks of new ones, within ``max_num_seqs`` and
-  ``max_batch_tokens``. A finished, cancelled or timed-out sequence leaves at the end of the
+  ``max_step_tokens``. A finished, cancelled or timed-out sequence leaves at the end of the
   step it is noticed in and its slot goes to the next waiting request. It runs its own
   scheduler over the slot KV cache (``runner.SlotRunner``).
 - ``static.StaticEngine``: one padded ``generate`` per batch, for comparison.
@@ -196,8 +196,8 @@ class ContinuousEngine(ThreadedEngine):
         self.decoding: list[GenSequence] = []
         self.prefilling: list[GenSequence] = []
 
-    def set_limits(self, max_num_seqs: int, max_batch_tokens: int) -> None:
-        super().set_limits(max_num_seqs, max_batch_tokens)
+    def set_limits(self, max_num_seqs: int, max_step_tokens: int) -> None:
+        super().set_limits(max_num_seqs, max_step_tokens)
         cache = self.runner.cache
         cache.max_rows = max(max_num_seqs, cache.rows)
 

@@ -62,7 +62,7 @@ class GenerationEngine(Protocol):
     def estimated_wait_s(self, extra: int = 0) -> float:
         """Time until a request queued now gets a slot, roughly."""
 
-    def set_limits(self, max_num_seqs: int, max_batch_tokens: int) -> None:
+    def set_limits(self, max_num_seqs: int, max_step_tokens: int) -> None:
         """Applies new scheduling bounds (from reconfigure)."""
 
     def close(self) -> None:

@@ -5,7 +5,7 @@ Each engine step runs one decode pass over every sequence that has its prompt in
 cache, and one prefill pass over prompt chunks. The scheduler keeps two bounds:
 
 - ``max_num_seqs``: sequences holding a KV slot (decoding or prefilling) at once;
-- ``max_batch_tokens``: tokens computed per step, decode tokens (one per decoding
+- ``max_step_tokens``: tokens computed per step, decode tokens (one per decoding
   sequence) plus the prefill pass's padded tokens (chunks x longest chunk).
 
 Long prompts are prefilled in chunks over several steps, so a long arrival never stalls the
@@ -151,7 +151,7 @@ class SchedulerLimits:
     """The bounds a step keeps; changed in place by ``reconfigure``."""
 
     max_num_seqs: int
-    max_batch_tokens: int
+    max_step_tokens: int
 
     def __post_init__(self) -> None:
         self.check()
@@ -159,9 +159,9 @@ class SchedulerLimits:
     def check(self) -> None:
         if self.max_num_seqs < 1:
             raise ValueError(f"max_num_seqs must be at least 1, got {self.max_num_seqs}")
-        if self.max_batch_tokens < self.max_num_seqs:
+        if self.max_step_tokens < self.max_num_seqs:
             raise ValueError(
-                f"max_batch_tokens ({self.max_batch_tokens}) must be at least max_num_seqs "
+                f"max_step_tokens ({self.max_step_tokens}) must be at least max_num_seqs "
                 f"({self.max_num_seqs}): every running sequence decodes one token per step"
             )
 
@@ -202,7 +202,7 @@ class Scheduler(Generic[S]):
     def schedule(self, decoding: Sequence[S], prefilling: Sequence[S]) -> StepPlan[S]:
         """Plans one step given the decoding and prefilling sequences (the latter in slot order)."""
         plan: StepPlan[S] = StepPlan(decode=list(decoding))
-        budget = self.limits.max_batch_tokens - len(decoding)
+        budget = self.limits.max_step_tokens - len(decoding)
         longest = 0
 
         def fit(remaining: int) -> int:

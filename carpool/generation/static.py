@@ -70,7 +70,7 @@ class StaticEngine(ThreadedEngine):
             width = max(longest, seq.num_prompt_tokens)
             if batch and (
                 len(batch) >= self.limits.max_num_seqs
-                or (len(batch) + 1) * width > self.limits.max_batch_tokens
+                or (len(batch) + 1) * width > self.limits.max_step_tokens
             ):
                 break
             batch.append(seq)

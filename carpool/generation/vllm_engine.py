@@ -205,8 +205,8 @@ class VllmEngine(EngineCore):
         except Exception:
             logger.warning("vLLM engine did not shut down cleanly", exc_info=True)
 
-    def set_limits(self, max_num_seqs: int, max_batch_tokens: int) -> None:
-        SchedulerLimits(max_num_seqs, max_batch_tokens)  # validates like the other engines
+    def set_limits(self, max_num_seqs: int, max_step_tokens: int) -> None:
+        SchedulerLimits(max_num_seqs, max_step_tokens)  # validates like the other engines
         if max_num_seqs != self.engine_max_num_seqs:
             logger.warning(
                 "user_config asks max_num_seqs %d but vLLM runs with %d until the replica "
@@ -214,7 +214,7 @@ class VllmEngine(EngineCore):
                 max_num_seqs,
                 self.engine_max_num_seqs,
             )
-        self.limits.max_batch_tokens = max_batch_tokens
+        self.limits.max_step_tokens = max_step_tokens
 
     def num_waiting(self) -> int:
         """Sequences submitted that vLLM is not running yet (as of its last iteration)."""

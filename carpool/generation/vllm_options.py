@@ -101,7 +101,7 @@ class VllmOptions(StrictModel):
         ge=16,
         le=1_048_576,
         description="Tokens per engine step (vLLM's chunked-prefill budget). Default: "
-        "vLLM's own for the platform. batching.max_batch_tokens does not apply to vLLM.",
+        "vLLM's own for the platform. batching.max_step_tokens does not apply to vLLM.",
     )
     dtype: Literal["auto", "float32", "float16", "bfloat16"] | None = Field(
         default=None,

@@ -95,7 +95,7 @@ def test_every_panel_query_returns_data(serve_http: str, tiny_models: dict, tmp_
         "source": {"model": tiny_models["causal_lm"], "served_model_name": "tiny"},
         "replica": {"num_cpus": 0.25, "torch_threads": 1},
         "limits": {"max_seq_len": 256, "default_max_tokens": 8},
-        "batching": {"max_num_seqs": 4, "max_batch_tokens": 128},
+        "batching": {"max_num_seqs": 4, "max_step_tokens": 128},
     }
     serve.run(
         build_generate_app({"small": generator, "large": generator}),

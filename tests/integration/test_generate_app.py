@@ -42,7 +42,7 @@ def _generator(path: str, mode: str, name: str) -> dict[str, Any]:
         "mode": mode,
         "replica": {"num_cpus": 0.25, "torch_threads": 1},
         "limits": {"max_seq_len": CONTEXT, "max_tokens_limit": LONG, "default_max_tokens": 16},
-        "batching": {"max_num_seqs": 4, "max_batch_tokens": 256, "batch_wait_timeout_s": 0.01},
+        "batching": {"max_num_seqs": 4, "max_step_tokens": 256, "batch_wait_timeout_s": 0.01},
     }
 
 

@@ -71,7 +71,7 @@ def _generator(path: str, mode: str, name: str) -> dict[str, Any]:
         "mode": mode,
         "replica": {"num_cpus": 0.25, "torch_threads": 1},
         "limits": {"max_seq_len": 512, "max_tokens_limit": 300, "default_max_tokens": 16},
-        "batching": {"max_num_seqs": 4, "max_batch_tokens": 256, "batch_wait_timeout_s": 0.01},
+        "batching": {"max_num_seqs": 4, "max_step_tokens": 256, "batch_wait_timeout_s": 0.01},
     }
 
 

@@ -90,7 +90,7 @@ def server():
         "batching": {
             "batch_wait_timeout_s": 0.0,
             "max_num_seqs": 64,
-            "max_batch_tokens": 512,
+            "max_step_tokens": 512,
             "max_waiting": 100_000,  # a slow first step (torch import) must not refuse
         },
     }

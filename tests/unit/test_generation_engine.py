@@ -115,13 +115,13 @@ class Steps:
 
 
 def engine_for(
-    tiny, mode: str, max_num_seqs: int = 4, max_batch_tokens: int = 256, **info: Any
+    tiny, mode: str, max_num_seqs: int = 4, max_step_tokens: int = 256, **info: Any
 ) -> GenerationEngine:
     model, tokenizer = tiny
     tok = TokenizerInfo.from_tokenizer(tokenizer, model.generation_config)
     if info:
         tok = TokenizerInfo(**{**tok.__dict__, **info})
-    return make_engine(mode, model, tok, SchedulerLimits(max_num_seqs, max_batch_tokens), 512, 16)
+    return make_engine(mode, model, tok, SchedulerLimits(max_num_seqs, max_step_tokens), 512, 16)
 
 
 def seq(tiny, i: int, collect: Collect, **params: Any) -> GenSequence:
@@ -159,7 +159,7 @@ def test_chunked_prefill_gives_the_same_tokens(tiny, references):
     collect = Collect()
     # 8 tokens per step: the 30-token prompt is prefilled over several steps while the
     # others decode.
-    engine = engine_for(tiny, "continuous", max_num_seqs=4, max_batch_tokens=8)
+    engine = engine_for(tiny, "continuous", max_num_seqs=4, max_step_tokens=8)
     steps = Steps()
     engine.listeners.append(steps)
     try:
@@ -367,7 +367,7 @@ def server_for(tiny, **overrides: Any):
     config = {
         "source": {"model": "tiny", "max_length": 256},
         "limits": {"max_tokens_limit": 64, "default_max_tokens": 16},
-        "batching": {"max_num_seqs": 4, "max_batch_tokens": 128},
+        "batching": {"max_num_seqs": 4, "max_step_tokens": 128},
         **overrides,
     }
     return GeneratorServer(config, model=model, tokenizer=tokenizer)
@@ -388,7 +388,7 @@ def test_server_generates_and_streams_the_same_greedy_text(tiny, references, int
         tiny,
         batching={
             "max_num_seqs": 4,
-            "max_batch_tokens": 128,
+            "max_step_tokens": 128,
             "stream_interval_tokens": tokens,
             "stream_interval_ms": ms,
         },
@@ -494,12 +494,16 @@ def test_kv_budget_and_reconfigure_are_checked_before_anything_changes(tiny):
         server_for(tiny, limits={"max_kv_cache_mb": 1, "max_seq_len": 100_000})
     server = server_for(tiny)
     try:
-        with pytest.raises(ValueError, match="max_batch_tokens"):
-            server.reconfigure({"max_num_seqs": 64, "max_batch_tokens": 32})
+        with pytest.raises(ValueError, match="max_step_tokens"):
+            server.reconfigure({"max_num_seqs": 64, "max_step_tokens": 32})
         assert server.engine.limits.max_num_seqs == 4
-        server.reconfigure({"max_num_seqs": 8, "max_batch_tokens": 64})
+        server.reconfigure({"max_num_seqs": 8, "max_step_tokens": 64})
         assert server.engine.limits.max_num_seqs == 8
-        assert server.batching.max_batch_tokens == 64
+        assert server.batching.max_step_tokens == 64
+        # The encoders' per-pass name on a generator is refused, naming the per-step one.
+        with pytest.raises(ValueError, match="rename max_batch_tokens to max_step_tokens"):
+            server.reconfigure({"max_num_seqs": 8, "max_batch_tokens": 64})
+        assert server.batching.max_step_tokens == 64
     finally:
         server.close()
 
@@ -509,7 +513,7 @@ def test_server_refuses_only_what_would_wait_past_its_bound_or_deadline(tiny):
         tiny,
         source={"model": "tiny", "max_length": 512},
         limits={"max_tokens_limit": 440, "default_max_tokens": 16},
-        batching={"max_num_seqs": 1, "max_batch_tokens": 128, "max_queue_delay_ms": 1500},
+        batching={"max_num_seqs": 1, "max_step_tokens": 128, "max_queue_delay_ms": 1500},
     )
     hold = {"prompts": [PROMPTS[0]], "max_tokens": 400, "temperature": 0, "ignore_eos": True}
 

@@ -25,8 +25,22 @@ def make_seqs(*prompt_lengths: int) -> list[FakeSeq]:
 
 
 def test_limits_need_a_token_per_running_sequence() -> None:
-    with pytest.raises(ValueError, match=r"max_batch_tokens \(4\) must be at least max_num_seqs"):
-        SchedulerLimits(max_num_seqs=8, max_batch_tokens=4)
+    with pytest.raises(ValueError, match=r"max_step_tokens \(4\) must be at least max_num_seqs"):
+        SchedulerLimits(max_num_seqs=8, max_step_tokens=4)
+
+
+def test_a_generators_step_budget_is_not_the_encoders_pass_budget() -> None:
+    """Two budgets, two names: max_batch_tokens (encoders, per pass) on a generator is refused
+    with a message naming max_step_tokens, in user_config and in the app's args alike."""
+    from carpool.generation.config import GeneratorBatching, GeneratorConfig
+
+    assert GeneratorBatching(max_step_tokens=256).max_step_tokens == 256
+    with pytest.raises(ValueError, match="rename max_batch_tokens to max_step_tokens"):
+        GeneratorBatching.model_validate({"max_batch_tokens": 256})
+    with pytest.raises(ValueError, match="rename max_batch_tokens to max_step_tokens"):
+        GeneratorConfig.model_validate(
+            {"source": {"model": "tiny"}, "batching": {"max_batch_tokens": 256}}
+        )
 
 
 def test_admits_in_arrival_order_up_to_max_num_seqs() -> None:

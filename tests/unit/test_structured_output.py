@@ -474,7 +474,7 @@ def _server(tiny, **overrides: Any):
     config = {
         "source": {"model": "tiny", "max_length": 512},
         "limits": {"max_tokens_limit": 256, "default_max_tokens": 16},
-        "batching": {"max_num_seqs": 4, "max_batch_tokens": 256},
+        "batching": {"max_num_seqs": 4, "max_step_tokens": 256},
         **overrides,
     }
     return GeneratorServer(config, model=model, tokenizer=tokenizer)

@@ -97,7 +97,7 @@ def test_knob_grid_keeps_the_configured_knobs_first() -> None:
     grid = knob_grid("embedder", {"max_batch_tokens": 8192, "pass_overhead_tokens": 128})
     assert grid[0] == {} and {"max_batch_tokens": 2048} in grid
     assert {"pass_overhead_tokens": 32} in grid
-    assert knob_grid("small", {"max_num_seqs": 64, "max_batch_tokens": 512})[0] == {}
+    assert knob_grid("small", {"max_num_seqs": 64, "max_step_tokens": 512})[0] == {}
 
 
 def test_traffic_mix_rates_and_trace(tmp_path) -> None:

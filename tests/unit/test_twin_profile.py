@@ -187,7 +187,7 @@ applications:
   - name: generate
     args:
       small: {{source: {{model: {tmp_path}/lm}}, mode: continuous, limits: {{max_seq_len: 256}}}}
-    deployments: [{{name: small, user_config: {{max_num_seqs: 32, max_batch_tokens: 128}}}}]
+    deployments: [{{name: small, user_config: {{max_num_seqs: 32, max_step_tokens: 128}}}}]
 """
     )
     out = tmp_path / "profile.json"

@@ -162,7 +162,7 @@ def test_generator_slots_bound_concurrency() -> None:
     req = SimRequest("generate", prompt_tokens=8, max_tokens=50, model="small")
 
     def tokens_per_s(slots: int) -> float:
-        knobs = {"max_num_seqs": slots, "max_batch_tokens": 512}
+        knobs = {"max_num_seqs": slots, "max_step_tokens": 512}
         pool = Pool("small", [GeneratorReplica("g", knobs, entry)])
         return (
             Twin({"small": pool})

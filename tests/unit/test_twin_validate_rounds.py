@@ -89,7 +89,7 @@ def test_the_generation_fit_recovers_what_the_calibration_runs_ran_with(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     profile = load_profile(PROFILE)
-    knobs = {"max_num_seqs": 64, "max_batch_tokens": 512}
+    knobs = {"max_num_seqs": 64, "max_step_tokens": 512}
     truth = gen_spec(profile, knobs, step_ms=6.0, fixed_ms=30.0, seq_ms=2.5)
     m = {
         "knobs": knobs,

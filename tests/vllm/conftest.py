@@ -27,7 +27,7 @@ SMOLLM2 = (
 # Small on purpose: the tests need a handful of sequences at once, and the KV cache is
 # allocated whole at start (GiB, VLLM_CPU_KVCACHE_SPACE).
 VLLM_OPTIONS = {"cpu_kvcache_space_gib": 1, "max_num_seqs": 8, "enforce_eager": True}
-BATCHING = {"max_num_seqs": 8, "max_batch_tokens": 512, "batch_wait_timeout_s": 0.0}
+BATCHING = {"max_num_seqs": 8, "max_step_tokens": 512, "batch_wait_timeout_s": 0.0}
 LIMITS = {"max_seq_len": 2048, "max_tokens_limit": 2000}
 
 
