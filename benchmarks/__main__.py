@@ -105,6 +105,11 @@ def build_parser() -> argparse.ArgumentParser:
         "'model', the discrete-event model)",
     )
     suite.add_argument("--rounds", type=int, help="paired rounds (default 3, --quick 2)")
+    suite.add_argument(
+        "--goodput-clients",
+        help="closed-loop client counts of the goodput phase, clients that resend at once when "
+        "refused (comma-separated; default 32,300)",
+    )
     suite.add_argument("--seed", type=int, default=0)
     suite.add_argument(
         "--readme",
@@ -215,6 +220,8 @@ def cmd_suite(args: argparse.Namespace) -> int:
     )
     if args.rounds is not None:
         values["rounds"] = args.rounds
+    if args.goodput_clients:
+        values["goodput_clients"] = [int(c) for c in args.goodput_clients.split(",") if c]
     config = SuiteConfig.quick(**values) if args.quick else SuiteConfig(**values)
     out_dir = args.out or report.new_results_dir()
     out_dir.mkdir(parents=True, exist_ok=True)

@@ -567,8 +567,11 @@ def test_cli_parses_every_subcommand() -> None:
     p = build_parser()
     a = p.parse_args(["run", "--system", "carpool", "--arrival", "sweep", "--rates", "2,4"])
     assert a.rates == [2.0, 4.0] and a.system == ["carpool"]
-    a = p.parse_args(["suite", "--quick", "--variant", 'small={"max_batch_tokens": 1024}'])
-    assert a.variant == [("small", {"max_batch_tokens": 1024})] and a.port == 8100
+    a = p.parse_args(["suite", "--quick", "--variant", 'small={"max_step_tokens": 1024}'])
+    assert a.variant == [("small", {"max_step_tokens": 1024})] and a.port == 8100
+    assert a.goodput_clients is None
+    a = p.parse_args(["suite", "--goodput-clients", "32,200,300"])
+    assert a.goodput_clients == "32,200,300"
     with pytest.raises(SystemExit):
         p.parse_args(["suite", "--variant", "not-json"])
 
