@@ -27,6 +27,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from carpool.errors import RequestError
+from carpool.generation.schemas import GenerationCall
 from carpool_twin.replicas import EncoderReplica, GeneratorReplica, SimRequest, Work
 from router.choice import LARGE, SMALL, SmallOutcome
 from router.core import RouterServer, share_of_cap
@@ -248,10 +249,9 @@ class Twin:
         ``after_answer``, ``finish``), driven by events instead of coroutines."""
         assert self.router is not None
         router, req = self.router, rec.req
-        call = {
-            "prompts": [req.text or "x" * (4 * req.prompt_tokens)],
-            "max_tokens": req.max_tokens,
-        }
+        call = GenerationCall(
+            prompts=[req.text or "x" * (4 * req.prompt_tokens)], max_tokens=req.max_tokens
+        )
         route = router.plan(call, tier="batch" if req.priority == "batch" else "interactive")
 
         def outcome() -> SmallOutcome:

@@ -40,6 +40,7 @@ from carpool.generation.config import (
     graceful_shutdown_s,
 )
 from carpool.generation.factory import LoadedEngine, check_kv_budget, load_engine
+from carpool.generation.hops import Choice, GenerationEvent, GenerationResult
 from carpool.generation.logprobs import TokenTexts, merge_records, raw_record
 from carpool.generation.prompts import PromptPlanner, Rendered
 from carpool.generation.protocol import GenerationEngine
@@ -344,11 +345,12 @@ class GeneratorServer:
             code="timeout",
         )
 
-    async def generate(self, call: GenerationCall | dict) -> dict[str, Any]:
-        """Runs a call to the end: choices (text, finish_reason) and token counts.
+    async def generate(self, call: GenerationCall | dict) -> GenerationResult:
+        """Runs a call to the end: choices (text, finish_reason), token counts, and choice 0's
+        ``token_ids`` / ``token_logprobs`` (for the router's cascade; HTTP leaves them out).
 
-        Also ``token_ids`` / ``token_logprobs`` of choice 0 (Python callers only, e.g. the
-        router's cascade judging the small model's confidence; the HTTP API leaves them out).
+        A dict call is validated here: the in-process harness (``benchmarks/``) builds dicts;
+        every ingress and the router send a ``GenerationCall``, which is used as it comes.
         """
         call = call if isinstance(call, GenerationCall) else GenerationCall.model_validate(call)
         texts: dict[int, list[str]] = {}
@@ -372,24 +374,17 @@ class GeneratorServer:
                     if event.finish_reason is not None:
                         reasons[event.index] = event.finish_reason
                         completion += event.completion_tokens
-        choices: list[dict[str, Any]] = [
-            {"index": i, "text": "".join(texts.get(i, [])), "finish_reason": reasons[i]}
-            for i in sorted(reasons)
-        ]
+        choices = [Choice(i, "".join(texts.get(i, [])), reasons[i]) for i in sorted(reasons)]
         if call.logprobs is not None:  # only when asked: the record is endpoint-neutral
             for choice in choices:
-                choice["logprobs"] = merge_records(records.get(choice["index"], []))
-        return {
-            "model": self.name,
-            "choices": choices,
-            "prompt_tokens": prompt_tokens,
-            "completion_tokens": completion,
-            "token_ids": token_ids,
-            "token_logprobs": token_logprobs,
-        }
+                choice.logprobs = merge_records(records.get(choice.index, []))
+        return GenerationResult(
+            self.name, choices, prompt_tokens, completion, token_ids, token_logprobs
+        )
 
-    async def stream(self, call: GenerationCall | dict) -> AsyncIterator[dict[str, Any]]:
-        """Streams a call: a 'start' event, 'delta' events as text arrives, then 'end'.
+    async def stream(self, call: GenerationCall | dict) -> AsyncIterator[GenerationEvent]:
+        """Streams a call: a 'start' event, 'delta' events as text arrives, then 'end'
+        (a dict call is validated, as in ``generate``).
 
         A choice's text goes out at its first token, then in messages of at least
         ``stream_interval_tokens`` tokens or ``stream_interval_ms`` apart, and at its end.
@@ -405,7 +400,7 @@ class GeneratorServer:
             async for kind, value in events:
                 if kind == "start":
                     prompt_tokens = value
-                    yield {"type": "start", "model": self.name, "prompt_tokens": value}
+                    yield GenerationEvent.start(self.name, value)
                     continue
                 for event in held.add(value):
                     if event.finish_reason is not None:
@@ -414,16 +409,14 @@ class GeneratorServer:
                     # string) still gets its own delta when logprobs are asked for.
                     with_logprobs = call.logprobs is not None and bool(event.token_ids)
                     if event.text or event.finish_reason is not None or with_logprobs:
-                        delta: dict[str, Any] = {
-                            "type": "delta",
-                            "index": event.index,
-                            "text": event.text,
-                            "finish_reason": event.finish_reason,
-                        }
-                        if call.logprobs is not None:
-                            delta["logprobs"] = self._logprobs(event)
-                        yield delta
-        yield {"type": "end", "prompt_tokens": prompt_tokens, "completion_tokens": completion}
+                        yield GenerationEvent(
+                            "delta",
+                            index=event.index,
+                            text=event.text,
+                            finish_reason=event.finish_reason,
+                            logprobs=None if call.logprobs is None else self._logprobs(event),
+                        )
+        yield GenerationEvent.end(prompt_tokens, completion)
 
 
 class GeneratorDeployment(GeneratorServer):

@@ -30,8 +30,9 @@ from ray.serve.handle import DeploymentHandle
 
 from carpool.auth import health_body
 from carpool.calls import call_backend
+from carpool.generation.hops import GenerationEvent, GenerationResult
 from carpool.generation.responses import ChatCompletionResponse, CompletionResponse
-from carpool.generation.schemas import ChatCompletionRequest, CompletionRequest
+from carpool.generation.schemas import ChatCompletionRequest, CompletionRequest, GenerationCall
 from carpool.http import MAX_BODY_BYTES, apply_ingress_defaults, make_api
 from carpool.local_handle import LocalHandle
 from carpool.schemas import ModelList
@@ -99,8 +100,9 @@ class RouterHost:
     """What an ingress hosting the router gives other apps: ``auto`` as a handle's methods.
 
     ``route_generate`` / ``route_stream`` / ``route_describe`` answer as a generator's
-    ``generate`` / ``stream`` / ``describe`` do (``RouterHandle`` maps them), decided by this
-    replica's router; ``route_stats`` reads it.
+    ``generate`` / ``stream`` / ``describe`` do (``RouterHandle`` maps them): a
+    ``GenerationCall`` in, a ``GenerationResult`` or ``GenerationEvent``s out, with this
+    replica's router's ``RouteDecision`` in them; ``route_stats`` reads the router.
     """
 
     router: HostedRouter | None = None
@@ -119,10 +121,10 @@ class RouterHost:
             raise RuntimeError("this generate app has no router (args.router: null)")
         return self.router
 
-    async def route_generate(self, call: dict[str, Any]) -> dict[str, Any]:
+    async def route_generate(self, call: GenerationCall) -> GenerationResult:
         return await self._router().generate(call)
 
-    async def route_stream(self, call: dict[str, Any]) -> AsyncIterator[dict[str, Any]]:
+    async def route_stream(self, call: GenerationCall) -> AsyncIterator[GenerationEvent]:
         async for event in self._router().stream(call):
             yield event
 

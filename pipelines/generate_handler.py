@@ -24,6 +24,7 @@ from carpool.config import IngressConfig, ModelSourceConfig, StrictModel
 from carpool.error_body import error_response
 from carpool.errors import RequestError, find_request_error
 from carpool.generation.config import DEFAULT_LARGE, DEFAULT_SMALL, GeneratorConfig
+from carpool.generation.hops import GenerationEvent, GenerationResult, RouteDecision
 from carpool.generation.logprobs import chat_logprobs, completion_logprobs
 from carpool.generation.responses import (
     ChatChoice,
@@ -92,36 +93,41 @@ class GenerateArgs(StrictModel):
 
 
 # A stream's formatter: given the model that answers, event -> the chunks it becomes.
-Formatter = Callable[[str], Callable[[dict[str, Any]], list[dict[str, Any]]]]
+EventFormat = Callable[[GenerationEvent], list[dict[str, Any]]]
+Formatter = Callable[[str], EventFormat]
 
 
 def sse(payload: Any) -> str:
     return f"data: {json.dumps(payload, separators=(',', ':'))}\n\n"
 
 
-def decision_headers(record: dict[str, Any] | None) -> dict[str, str]:
+def decision_headers(decision: RouteDecision | None) -> dict[str, str]:
     """``x-carpool-*`` headers saying what the router decided (empty for explicit models)."""
-    if not record:
+    if decision is None:
         return {}
-    return {f"x-carpool-{k.replace('_', '-')}": str(v) for k, v in record.items() if k != "reason"}
+    return {
+        f"x-carpool-{k.replace('_', '-')}": str(v)
+        for k, v in decision.to_dict().items()
+        if k != "reason"
+    }
 
 
-def _answered_by(result: dict[str, Any], requested: str) -> str:
-    return result.get("carpool", {}).get("model", requested)
+def _answered_by(answer: GenerationResult | GenerationEvent, requested: str) -> str:
+    """The model that answers: the router's choice for ``auto``, else the one asked for."""
+    return answer.decision.model if answer.decision is not None else requested
 
 
-def _with_decision(body: dict[str, Any], record: dict[str, Any] | None) -> JSONResponse:
-    if record:
-        body["carpool"] = record
-    return JSONResponse(body, headers=decision_headers(record))
+def _with_decision(body: dict[str, Any], decision: RouteDecision | None) -> JSONResponse:
+    """The JSON response, with the router's decision as its ``carpool`` field and headers."""
+    if decision is not None:
+        body["carpool"] = decision.to_dict()
+    return JSONResponse(body, headers=decision_headers(decision))
 
 
-def with_controls(call: GenerationCall) -> dict[str, Any]:
+def with_controls(call: GenerationCall) -> GenerationCall:
     """The call as sent downstream, with this request's deadline and priority."""
     controls = current_controls()
-    return call.model_copy(
-        update={"deadline": controls.deadline, "priority": controls.priority}
-    ).model_dump()
+    return call.model_copy(update={"deadline": controls.deadline, "priority": controls.priority})
 
 
 def _chat_logprobs(record: dict[str, Any] | None) -> dict[str, Any] | None:
@@ -150,8 +156,8 @@ def _without_null_tool_calls(body: dict[str, Any]) -> dict[str, Any]:
     return body
 
 
-def _usage(counts: dict[str, Any]) -> UsageInfo:
-    prompt, completion = counts["prompt_tokens"], counts["completion_tokens"]
+def _usage(counts: GenerationResult | GenerationEvent) -> UsageInfo:
+    prompt, completion = counts.prompt_tokens, counts.completion_tokens
     return UsageInfo(
         prompt_tokens=prompt, completion_tokens=completion, total_tokens=prompt + completion
     )
@@ -236,7 +242,7 @@ class GenerateHandler(PipelineHandler):
         return await call_idempotent(tier, lambda: handle.generate.remote(payload)), model
 
     async def completion_response(self, body: CompletionRequest) -> Any:
-        def formatter(answered: str) -> Callable[[dict[str, Any]], list[dict[str, Any]]]:
+        def formatter(answered: str) -> EventFormat:
             return self._completion_chunks(answered, body.include_usage())
 
         call = GenerationCall.from_completion(body)
@@ -247,20 +253,18 @@ class GenerateHandler(PipelineHandler):
             model=_answered_by(result, model),
             choices=[
                 CompletionChoice(
-                    index=c["index"],
-                    text=c["text"],
-                    finish_reason=c["finish_reason"],
-                    logprobs=completion_logprobs(c["logprobs"]) if "logprobs" in c else None,
+                    index=c.index,
+                    text=c.text,
+                    finish_reason=c.finish_reason,
+                    logprobs=None if c.logprobs is None else completion_logprobs(c.logprobs),
                 )
-                for c in result["choices"]
+                for c in result.choices
             ],
             usage=_usage(result),
         )
-        return _with_decision(response.model_dump(), result.get("carpool"))
+        return _with_decision(response.model_dump(), result.decision)
 
-    def _completion_chunks(
-        self, model: str, include_usage: bool
-    ) -> Callable[[dict[str, Any]], list[dict[str, Any]]]:
+    def _completion_chunks(self, model: str, include_usage: bool) -> EventFormat:
         chunk_id, created = new_id("cmpl"), now()
         # Characters each choice has streamed so far: where its next token's text_offset is.
         offsets: dict[int, int] = {}
@@ -275,27 +279,27 @@ class GenerateHandler(PipelineHandler):
                 "usage": usage,
             }
 
-        def fmt(event: dict[str, Any]) -> list[dict[str, Any]]:
-            if event["type"] == "delta":
+        def fmt(event: GenerationEvent) -> list[dict[str, Any]]:
+            if event.type == "delta":
                 logprobs = None
-                record = event.get("logprobs")
+                record = event.logprobs
                 if record is not None:
-                    start = offsets.get(event["index"], 0)
+                    start = offsets.get(event.index, 0)
                     logprobs = completion_logprobs(record, start)
-                    offsets[event["index"]] = start + sum(len(t) for t in record["tokens"])
+                    offsets[event.index] = start + sum(len(t) for t in record["tokens"])
                 return [
                     chunk(
                         [
                             {
-                                "index": event["index"],
-                                "text": event["text"],
-                                "finish_reason": event["finish_reason"],
+                                "index": event.index,
+                                "text": event.text,
+                                "finish_reason": event.finish_reason,
                                 "logprobs": logprobs,
                             }
                         ]
                     )
                 ]
-            if event["type"] == "end" and include_usage:
+            if event.type == "end" and include_usage:
                 return [chunk([], _usage(event).model_dump())]
             return []
 
@@ -304,7 +308,7 @@ class GenerateHandler(PipelineHandler):
     # --- chat -----------------------------------------------------------------------------
 
     async def chat_response(self, body: ChatCompletionRequest) -> Any:
-        def formatter(answered: str) -> Callable[[dict[str, Any]], list[dict[str, Any]]]:
+        def formatter(answered: str) -> EventFormat:
             n, usage = body.choices_per_prompt(), body.include_usage()
             return self._chat_chunks(answered, n, usage, tool_parser(body))
 
@@ -314,26 +318,24 @@ class GenerateHandler(PipelineHandler):
             return result
         parser = tool_parser(body)
         choices = []
-        for c in result["choices"]:
-            content, calls, reason = c["text"], None, c["finish_reason"]
+        for c in result.choices:
+            content, calls, reason = c.text, None, c.finish_reason
             if parser is not None:
-                answer = parser().answer(c["text"], c["finish_reason"])
+                answer = parser().answer(c.text, c.finish_reason)
                 content, reason = answer.content, answer.finish_reason
                 calls = [ToolCallOut(**t) for t in answer.tool_calls] or None
             choices.append(
                 ChatChoice(
-                    index=c["index"],
+                    index=c.index,
                     message=ChatMessageOut(content=content, tool_calls=calls),
                     finish_reason=reason,
-                    logprobs=_chat_logprobs(c.get("logprobs")),
+                    logprobs=_chat_logprobs(c.logprobs),
                 )
             )
         response = ChatCompletionResponse(
             model=_answered_by(result, model), choices=choices, usage=_usage(result)
         )
-        return _with_decision(
-            _without_null_tool_calls(response.model_dump()), result.get("carpool")
-        )
+        return _with_decision(_without_null_tool_calls(response.model_dump()), result.decision)
 
     def _chat_chunks(
         self,
@@ -341,7 +343,7 @@ class GenerateHandler(PipelineHandler):
         n: int,
         include_usage: bool,
         tools: Callable[[], ToolParser] | None = None,
-    ) -> Callable[[dict[str, Any]], list[dict[str, Any]]]:
+    ) -> EventFormat:
         chunk_id, created = new_id("chatcmpl"), now()
         parsers: dict[int, ToolParser] = {}
 
@@ -352,19 +354,19 @@ class GenerateHandler(PipelineHandler):
                 ).model_dump(exclude_none=False)
             )
 
-        def tool_delta(event: dict[str, Any]) -> list[dict[str, Any]]:
+        def tool_delta(event: GenerationEvent) -> list[dict[str, Any]]:
             # Content streams as it comes (auto mode), held back where it may open a tool
             # call; the calls go out whole, one delta each, with the finishing chunk.
-            i = event["index"]
+            i = event.index
             parser = parsers.setdefault(i, tools())  # type: ignore[misc]
-            text = parser.feed(event["text"])
-            logprobs = _chat_logprobs(event.get("logprobs"))
-            if event["finish_reason"] is None:
+            text = parser.feed(event.text)
+            logprobs = _chat_logprobs(event.logprobs)
+            if event.finish_reason is None:
                 if not text and logprobs is None:
                     return []
                 delta = ChatDelta(content=text) if text else ChatDelta()
                 return [chunk([ChatChunkChoice(index=i, delta=delta, logprobs=logprobs)])]
-            answer = parser.finish(event["finish_reason"])
+            answer = parser.finish(event.finish_reason)
             out = []
             tail = (text or "") + (answer.content or "") if not answer.tool_calls else text
             if tail or logprobs is not None:
@@ -384,29 +386,29 @@ class GenerateHandler(PipelineHandler):
             )
             return out
 
-        def fmt(event: dict[str, Any]) -> list[dict[str, Any]]:
-            if event["type"] == "start":  # OpenAI opens each choice with the role
+        def fmt(event: GenerationEvent) -> list[dict[str, Any]]:
+            if event.type == "start":  # OpenAI opens each choice with the role
                 return [
                     chunk([ChatChunkChoice(index=i, delta=ChatDelta(role="assistant", content=""))])
                     for i in range(n)
                 ]
-            if event["type"] == "delta" and tools is not None:
+            if event.type == "delta" and tools is not None:
                 return tool_delta(event)
-            if event["type"] == "delta":
-                delta = ChatDelta(content=event["text"]) if event["text"] else ChatDelta()
+            if event.type == "delta":
+                delta = ChatDelta(content=event.text) if event.text else ChatDelta()
                 return [
                     chunk(
                         [
                             ChatChunkChoice(
-                                index=event["index"],
+                                index=event.index,
                                 delta=delta,
-                                finish_reason=event["finish_reason"],
-                                logprobs=_chat_logprobs(event.get("logprobs")),
+                                finish_reason=event.finish_reason,
+                                logprobs=_chat_logprobs(event.logprobs),
                             )
                         ]
                     )
                 ]
-            if event["type"] == "end" and include_usage:
+            if event.type == "end" and include_usage:
                 return [chunk([], _usage(event))]
             return []
 
@@ -418,7 +420,7 @@ class GenerateHandler(PipelineHandler):
         self,
         tier: str,
         handle: DeploymentHandle,
-        call: dict[str, Any],
+        call: GenerationCall,
         requested: str,
         formatter: Formatter,
     ) -> ClosingStreamingResponse:
@@ -427,7 +429,7 @@ class GenerateHandler(PipelineHandler):
         # a replica's overload refusal is tried on another replica before any token exists.
         events, first = await call_idempotent(tier, lambda: open_stream(handle, call))
         headers = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
-        headers.update(decision_headers(first.get("carpool")))
+        headers.update(decision_headers(first.decision))
         # 'auto': the router chose before generating and its start event says which model;
         # every chunk names that one, as a whole answer's `model` does.
         fmt = formatter(_answered_by(first, requested))
@@ -438,9 +440,9 @@ class GenerateHandler(PipelineHandler):
     async def _sse(
         self,
         tier: str,
-        first: dict[str, Any],
+        first: GenerationEvent,
         events: Any,
-        fmt: Callable[[dict[str, Any]], list[dict[str, Any]]],
+        fmt: EventFormat,
     ) -> AsyncIterator[str]:
         finished = False
         try:

@@ -27,6 +27,7 @@ from carpool.auth import health_body
 from carpool.calls import call_idempotent
 from carpool.config import IngressConfig, StrictModel
 from carpool.errors import RequestError
+from carpool.generation.schemas import GenerationCall
 from carpool.http import MAX_BODY_BYTES, ClosingStreamingResponse, apply_ingress_defaults, make_api
 from carpool.schemas import (
     IngestRequest,
@@ -169,7 +170,7 @@ class RagHandler(PipelineHandler):
                 code="model_not_found",
             )
 
-    async def _prepare(self, body: RagChatRequest) -> tuple[list[SearchHit], dict[str, Any]]:
+    async def _prepare(self, body: RagChatRequest) -> tuple[list[SearchHit], GenerationCall]:
         self._check_model(body.model)
         question = body.question()
         search = SearchRequest(
@@ -194,7 +195,10 @@ class RagHandler(PipelineHandler):
         system = self.args.system_prompt.replace(
             "{sources}", build_sources(hits, self.args.max_source_chars) or "(no sources found)"
         )
-        call = generation_call(body, system, max_tokens, current_controls())
+        # Validated once, here: the generator (or the router) takes it as it comes.
+        call = GenerationCall.model_validate(
+            generation_call(body, system, max_tokens, current_controls())
+        )
         return hits, call
 
     async def chat_response(self, body: RagChatRequest) -> Any:
@@ -209,36 +213,36 @@ class RagHandler(PipelineHandler):
             )
         generator = self._generator()
         result = await call_idempotent("generator", lambda: generator.generate.remote(call))
-        choice = result["choices"][0]
-        response = {
+        choice = result.choices[0]
+        response: dict[str, Any] = {
             "id": f"chatcmpl-{uuid.uuid4().hex}",
             "object": "chat.completion",
             "created": int(time.time()),
-            "model": result["model"],
+            "model": result.model,
             "choices": [
                 {
                     "index": 0,
                     "message": {
                         "role": "assistant",
-                        "content": choice["text"] + citation_suffix(ids),
+                        "content": choice.text + citation_suffix(ids),
                     },
-                    "finish_reason": choice["finish_reason"],
+                    "finish_reason": choice.finish_reason,
                 }
             ],
             "usage": {
-                "prompt_tokens": result["prompt_tokens"],
-                "completion_tokens": result["completion_tokens"],
-                "total_tokens": result["prompt_tokens"] + result["completion_tokens"],
+                "prompt_tokens": result.prompt_tokens,
+                "completion_tokens": result.completion_tokens,
+                "total_tokens": result.prompt_tokens + result.completion_tokens,
             },
             "citations": ids,
             "sources": [h.model_dump() for h in hits],
         }
-        if "carpool" in result:  # the router's decision: model, lane, escalation
-            response["carpool"] = result["carpool"]
+        if result.decision is not None:  # the router's decision: model, lane, escalation
+            response["carpool"] = result.decision.to_dict()
         return JSONResponse(response, headers=headers)
 
     async def _stream(
-        self, call: dict[str, Any], ids: list[str], include_usage: bool = False
+        self, call: GenerationCall, ids: list[str], include_usage: bool = False
     ) -> AsyncIterator[str]:
         stream_id = f"chatcmpl-{uuid.uuid4().hex}"
         created = int(time.time())
@@ -265,19 +269,19 @@ class RagHandler(PipelineHandler):
         finished = False
         try:
             async for event in events:
-                if event["type"] == "start":
-                    model = event["model"]
+                if event.type == "start":
+                    model = event.model
                     yield chunk({"role": "assistant", "content": ""})
-                elif event["type"] == "delta":
-                    if event["text"]:
-                        yield chunk({"content": event["text"]})
-                    if event["finish_reason"] is not None:
-                        finish = event["finish_reason"]
-                elif event["type"] == "end":
+                elif event.type == "delta":
+                    if event.text:
+                        yield chunk({"content": event.text})
+                    if event.finish_reason is not None:
+                        finish = event.finish_reason
+                elif event.type == "end":
                     usage = {
-                        "prompt_tokens": event["prompt_tokens"],
-                        "completion_tokens": event["completion_tokens"],
-                        "total_tokens": event["prompt_tokens"] + event["completion_tokens"],
+                        "prompt_tokens": event.prompt_tokens,
+                        "completion_tokens": event.completion_tokens,
+                        "total_tokens": event.prompt_tokens + event.completion_tokens,
                     }
             finished = True
             yield chunk({"content": citation_suffix(ids)}, finish, citations=ids)

@@ -2,8 +2,10 @@
 
 ``RouterServer`` is plain Python over the pure policies in this package and a dict of
 generator clients (anything with async ``generate(call)`` / ``stream(call)``, as the generator
-deployments' handles have); ``router.deployment`` is its Serve shell. It answers like a
-generator, plus a ``carpool`` record of what was decided.
+deployments' handles have); ``router.deployment`` is its Serve shell. It takes a
+``GenerationCall`` and answers like a generator (``carpool.generation.hops``), with what it
+decided in the answer's ``decision`` (a ``RouteDecision``; on a stream, the start event's).
+The call it forwards carries its predicted length (``predicted_tokens``).
 
 The flow of one request is three synchronous steps, so that it exists once:
 
@@ -32,9 +34,11 @@ import math
 import os
 import time
 from collections.abc import AsyncIterator, Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, Protocol
 
+from carpool.generation.hops import GenerationEvent, GenerationResult, RouteDecision
+from carpool.generation.schemas import GenerationCall
 from router.choice import (
     LARGE,
     SMALL,
@@ -55,17 +59,19 @@ from router.length import LengthPredictor
 
 
 class GeneratorClient(Protocol):
-    async def generate(self, call: dict[str, Any]) -> dict[str, Any]: ...
+    """A generator as the router calls it: a generator deployment's handle, adapted."""
 
-    def stream(self, call: dict[str, Any]) -> AsyncIterator[dict[str, Any]]: ...
+    async def generate(self, call: GenerationCall) -> GenerationResult: ...
+
+    def stream(self, call: GenerationCall) -> AsyncIterator[GenerationEvent]: ...
 
 
-def prompt_text(call: dict[str, Any]) -> tuple[str, int]:
+def prompt_text(call: GenerationCall) -> tuple[str, int]:
     """The text the request asks about, and its chat turns."""
-    if call.get("messages"):
-        users = [m["content"] for m in call["messages"] if m.get("role") == "user"]
-        return (users[-1] if users else "", len(call["messages"]))
-    prompts = call.get("prompts") or [""]
+    if call.messages:
+        users = [m["content"] for m in call.messages if m.get("role") == "user"]
+        return (users[-1] if users else "", len(call.messages))
+    prompts = call.prompts or [""]
     return prompts[0], 1
 
 
@@ -107,17 +113,18 @@ class Route:
         """The deployment called: the lane's own, else the model's."""
         return self.lane.target or self.model
 
-    def record(self, queue_ms: float) -> dict[str, Any]:
-        """What was decided, as the ``carpool`` field of the answer and the metrics see it."""
-        return {
-            "model": self.model,
-            "lane": self.lane.name,
-            "predicted_tokens": round(self.predicted, 1),
-            "escalated": self.escalated,
-            "overflow": self.decision.overflow,
-            "reason": self.reason,
-            "queue_ms": round(queue_ms, 1),
-        }
+    def record(self, queue_ms: float, actual_tokens: int | None = None) -> RouteDecision:
+        """What was decided, as the answer's ``decision`` and the metrics see it."""
+        return RouteDecision(
+            model=self.model,
+            lane=self.lane.name,
+            predicted_tokens=round(self.predicted, 1),
+            escalated=self.escalated,
+            overflow=self.decision.overflow,
+            reason=self.reason,
+            queue_ms=round(queue_ms, 1),
+            actual_tokens=actual_tokens,
+        )
 
 
 class RouterServer:
@@ -165,14 +172,14 @@ class RouterServer:
 
     # --- decisions ------------------------------------------------------------------
 
-    def features(self, call: dict[str, Any]) -> RequestFeatures:
+    def features(self, call: GenerationCall) -> RequestFeatures:
         text, turns = prompt_text(call)
         # ~4 characters per token: the router holds no tokenizer, and the predictor learns
         # its scale from real outcomes anyway.
         return extract_features(
             text,
             prompt_tokens=max(1, len(text) // 4),
-            max_tokens=call.get("max_tokens") or self.config.default_max_tokens,
+            max_tokens=call.max_tokens or self.config.default_max_tokens,
             chat_turns=turns,
         )
 
@@ -203,7 +210,7 @@ class RouterServer:
 
     def plan(
         self,
-        call: dict[str, Any],
+        call: GenerationCall,
         requested: str = "auto",
         tier: Tier | None = None,
         stream: bool = False,
@@ -213,7 +220,7 @@ class RouterServer:
         predicted = self.predictor.predict(features)
         lane = self.lanes.assign(predicted)
         decision = self.decide(features, predicted, requested, stream)
-        tier = tier or call.get("priority") or "interactive"
+        tier = tier or call.priority
         return Route(tier, features, predicted, lane, decision, reason=decision.reason)
 
     def gate(self, route: Route) -> Gate:
@@ -236,70 +243,71 @@ class RouterServer:
         route.escalated = escalated
         return escalated
 
-    def finish(self, route: Route, actual_tokens: int, queue_ms: float = 0.0) -> dict[str, Any]:
+    def finish(self, route: Route, actual_tokens: int, queue_ms: float = 0.0) -> RouteDecision:
         """The final answer came, ``actual_tokens`` long: the predictor learns, the decision is
         recorded and handed to the listeners (metrics)."""
         self.predictor.observe(route.features, actual_tokens)
-        record = route.record(queue_ms)
-        record["actual_tokens"] = actual_tokens
+        decision = route.record(queue_ms, actual_tokens)
         for listener in self.listeners:
-            listener.on_decision(record)
-        return record
+            listener.on_decision(decision)
+        return decision
 
     # --- serving: the asyncio drivers -----------------------------------------------
 
     def _client(self, route: Route) -> GeneratorClient:
         return self.clients.get(route.target) or self.clients[route.model]
 
-    async def _call(self, route: Route, call: dict[str, Any]) -> dict[str, Any]:
+    async def _call(self, route: Route, call: GenerationCall) -> tuple[GenerationResult, float]:
+        """Calls the route's model through its gate: the answer, and ms waited at the gate."""
         gate = self.gate(route)
         waited = time.monotonic()
-        await gate.enter(route.predicted, route.tier, call.get("deadline"), route.lane.name)
+        await gate.enter(route.predicted, route.tier, call.deadline, route.lane.name)
         queue_ms = (time.monotonic() - waited) * 1000
         started = time.monotonic()
-        result: dict[str, Any] = {}
+        tokens = 0
         try:
             # The prediction rides along: vLLM's priority queue orders by it (docs/vllm.md).
             result = await self._client(route).generate(
-                {**call, "predicted_tokens": route.predicted}
+                call.model_copy(update={"predicted_tokens": route.predicted})
             )
+            tokens = result.completion_tokens
         finally:
-            tokens = int(result.get("completion_tokens") or 0)
             gate.leave(route.predicted, tokens, time.monotonic() - started)
-        result["_queue_ms"] = queue_ms
-        return result
+        return result, queue_ms
 
     async def generate(
-        self, call: dict[str, Any], requested: str = "auto", tier: Tier | None = None
-    ) -> dict[str, Any]:
+        self, call: GenerationCall, requested: str = "auto", tier: Tier | None = None
+    ) -> GenerationResult:
+        """Answers whole (a cascade may call small, then large); the answer's ``decision``
+        says what was decided."""
         route = self.plan(call, requested, tier)
-        result = await self._call(route, call)
+        result, queue_ms = await self._call(route, call)
         if self.after_answer(route, lambda: small_outcome(result)):
-            result = await self._call(route, call)
-        actual = int(result.get("completion_tokens") or 0)
-        result["carpool"] = self.finish(route, actual, result.pop("_queue_ms", 0.0))
+            result, queue_ms = await self._call(route, call)
+        result.decision = self.finish(route, result.completion_tokens, queue_ms)
         return result
 
     async def stream(
-        self, call: dict[str, Any], requested: str = "auto", tier: Tier | None = None
-    ) -> AsyncIterator[dict[str, Any]]:
+        self, call: GenerationCall, requested: str = "auto", tier: Tier | None = None
+    ) -> AsyncIterator[GenerationEvent]:
         """Streams from the model chosen before generating (no cascade: the first token goes
         out as soon as it exists). The start event names that model, and carries the decision.
         """
         route = self.plan(call, requested, tier, stream=True)
         gate = self.gate(route)
         waited = time.monotonic()
-        await gate.enter(route.predicted, route.tier, call.get("deadline"), route.lane.name)
+        await gate.enter(route.predicted, route.tier, call.deadline, route.lane.name)
         queue_ms = (time.monotonic() - waited) * 1000
-        record = route.record(queue_ms)
+        decision = route.record(queue_ms)
         actual = 0
         try:
             client = self._client(route)
-            async for event in client.stream({**call, "predicted_tokens": route.predicted}):
-                if event["type"] == "start":
-                    event = {**event, "model": route.model, "carpool": record}
-                if event["type"] == "end":
-                    actual = int(event.get("completion_tokens") or 0)
+            ahead = call.model_copy(update={"predicted_tokens": route.predicted})
+            async for event in client.stream(ahead):
+                if event.type == "start":
+                    event = replace(event, model=route.model, decision=decision)
+                elif event.type == "end":
+                    actual = event.completion_tokens
                 yield event
         finally:
             gate.leave(route.predicted)
@@ -315,16 +323,16 @@ class RouterServer:
         }
 
 
-def small_outcome(result: dict[str, Any]) -> SmallOutcome:
+def small_outcome(result: GenerationResult) -> SmallOutcome:
     """What the cascade reads in a generator's whole answer."""
     return SmallOutcome(
-        token_ids=result.get("token_ids") or _word_ids(result),
-        token_logprobs=result.get("token_logprobs") or [],
-        finish_reason=result["choices"][0]["finish_reason"],
+        token_ids=result.token_ids or _word_ids(result),
+        token_logprobs=result.token_logprobs,
+        finish_reason=result.choices[0].finish_reason,
     )
 
 
-def _word_ids(result: dict[str, Any]) -> list[int]:
+def _word_ids(result: GenerationResult) -> list[int]:
     """Stand-in token ids (hashed words) for the repetition check when none were returned."""
-    text = result["choices"][0]["text"] if result.get("choices") else ""
+    text = result.choices[0].text if result.choices else ""
     return [hash(w) % 1_000_003 for w in text.split()]

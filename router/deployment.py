@@ -27,6 +27,8 @@ from carpool.calls import (
     no_live_counts,
     open_stream,
 )
+from carpool.generation.hops import GenerationEvent, GenerationResult, RouteDecision
+from carpool.generation.schemas import GenerationCall
 from router.choice import LARGE, SMALL
 from router.config import RouterConfig
 from router.core import FALLBACK_PER_REPLICA, GeneratorClient, RouterServer, share_of_cap
@@ -73,20 +75,18 @@ class RayRouterMetrics:
                 )
         self._m = made
 
-    def on_decision(self, record: dict[str, Any]) -> None:
-        tags = {"model": record["model"], "lane": record["lane"]}
+    def on_decision(self, decision: RouteDecision) -> None:
+        tags = {"model": decision.model, "lane": decision.lane}
         m = self._m
         m["carpool_router_decisions_total"].inc(tags=tags)
-        if record.get("escalated"):
+        if decision.escalated:
             m["carpool_router_escalations_total"].inc(tags=tags)
-        if record.get("overflow"):
+        if decision.overflow:
             m["carpool_router_overflows_total"].inc(tags=tags)
-        m["carpool_router_predicted_tokens"].observe(record["predicted_tokens"], tags=tags)
-        m["carpool_router_lane_queue_ms"].observe(record["queue_ms"], tags=tags)
-        if "actual_tokens" in record:
-            error = abs(
-                math.log1p(record["predicted_tokens"]) - math.log1p(record["actual_tokens"])
-            )
+        m["carpool_router_predicted_tokens"].observe(decision.predicted_tokens, tags=tags)
+        m["carpool_router_lane_queue_ms"].observe(decision.queue_ms, tags=tags)
+        if decision.actual_tokens is not None:
+            error = abs(math.log1p(decision.predicted_tokens) - math.log1p(decision.actual_tokens))
             m["carpool_router_prediction_error_log"].observe(error, tags=tags)
 
 
@@ -105,20 +105,20 @@ class _HandleClient:
         self.recount = recount
         self.refusals = RefusalMemory()
 
-    async def generate(self, call: dict[str, Any]) -> dict[str, Any]:
+    async def generate(self, call: GenerationCall) -> GenerationResult:
         return await call_refusable(
             lambda: await_or_cancel(self.handle.generate.remote(call)),
             self.refusals,
-            call.get("priority") or "interactive",
+            call.priority,
             self.live,
             recount=self.recount,
         )
 
-    async def stream(self, call: dict[str, Any]) -> AsyncIterator[dict[str, Any]]:
+    async def stream(self, call: GenerationCall) -> AsyncIterator[GenerationEvent]:
         events, first = await call_refusable(
             lambda: open_stream(self.handle, call),
             self.refusals,
-            call.get("priority") or "interactive",
+            call.priority,
             self.live,
             recount=self.recount,
         )

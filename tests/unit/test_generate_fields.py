@@ -14,6 +14,7 @@ from typing import Any
 import pytest
 from pydantic import ValidationError
 
+from carpool.generation.hops import GenerationEvent
 from carpool.generation.logprobs import chat_logprobs, completion_logprobs
 from carpool.generation.sampling import (
     SamplerState,
@@ -250,14 +251,10 @@ def server() -> Any:
     srv.close()
 
 
-def _call(**fields: Any) -> dict[str, Any]:
-    return {
-        "messages": MESSAGES,
-        "max_tokens": 6,
-        "temperature": 0.0,
-        "ignore_eos": True,
-        **fields,
-    }
+def _call(**fields: Any) -> GenerationCall:
+    return GenerationCall.model_validate(
+        {"messages": MESSAGES, "max_tokens": 6, "temperature": 0.0, "ignore_eos": True, **fields}
+    )
 
 
 def _reference(server: Any, ids: list[int]) -> list[float]:
@@ -276,13 +273,11 @@ def _reference(server: Any, ids: list[int]) -> list[float]:
 
 def test_generate_returns_each_tokens_logprob_and_alternatives(server: Any) -> None:
     result = asyncio.run(server.generate(_call(logprobs=3)))
-    choice = result["choices"][0]
-    record = choice["logprobs"]
-    assert len(record["tokens"]) == result["completion_tokens"] == 6
-    assert record["token_logprobs"] == pytest.approx(
-        _reference(server, result["token_ids"]), abs=1e-4
-    )
-    decoded = [server.tokenizer.decode([t]) for t in result["token_ids"]]
+    record = result.choices[0].logprobs
+    assert record is not None
+    assert len(record["tokens"]) == result.completion_tokens == 6
+    assert record["token_logprobs"] == pytest.approx(_reference(server, result.token_ids), abs=1e-4)
+    decoded = [server.tokenizer.decode([t]) for t in result.token_ids]
     assert record["tokens"] == decoded
     for token, logprob, top in zip(
         record["tokens"], record["token_logprobs"], record["top_logprobs"], strict=True
@@ -323,22 +318,22 @@ def test_penalties_steer_greedy_choice_like_a_reference(mode: str) -> None:
         model=model,
         tokenizer=tokenizer,
     )
-    base = {"prompts": ["the the the the"], "max_tokens": 12, "temperature": 0.0}
+    base: dict[str, Any] = {"prompts": ["the the the the"], "max_tokens": 12, "temperature": 0.0}
     try:
-        plain = asyncio.run(srv.generate({**base, "ignore_eos": True}))
+        plain = asyncio.run(srv.generate(GenerationCall(**base, ignore_eos=True)))
         steered = asyncio.run(
             srv.generate(
-                {**base, "ignore_eos": True, "presence_penalty": 1.5, "frequency_penalty": 1.0}
+                GenerationCall(**base, ignore_eos=True, presence_penalty=1.5, frequency_penalty=1.0)
             )
         )
     finally:
         srv.close()
     # Unpenalized the model repeats itself; the penalties push it to other tokens.
-    assert len(set(plain["token_ids"])) <= 2
-    assert len(set(steered["token_ids"])) > len(set(plain["token_ids"])) + 2
+    assert len(set(plain.token_ids)) <= 2
+    assert len(set(steered.token_ids)) > len(set(plain.token_ids)) + 2
 
     prompt = tokenizer(base["prompts"][0])["input_ids"]
-    tokens = steered["token_ids"]
+    tokens = steered.token_ids
     with torch.no_grad():
         logits = model(torch.tensor([prompt + tokens])).logits[0].float()
     counts: dict[int, int] = {}
@@ -348,25 +343,26 @@ def test_penalties_steer_greedy_choice_like_a_reference(mode: str) -> None:
             row[seen] -= 1.5 + 1.0 * c
         assert int(torch.argmax(row)) == token, f"step {k}"
         expected = float(torch.log_softmax(row, -1)[token])
-        assert steered["token_logprobs"][k] == pytest.approx(expected, abs=1e-4)
+        assert steered.token_logprobs[k] == pytest.approx(expected, abs=1e-4)
         counts[token] = counts.get(token, 0) + 1
 
 
 def test_without_logprobs_the_choices_carry_none(server: Any) -> None:
     result = asyncio.run(server.generate(_call()))
-    assert "logprobs" not in result["choices"][0]
+    assert result.choices[0].logprobs is None
 
 
 def test_logprobs_of_sampled_choices_are_finite_per_choice(server: Any) -> None:
     result = asyncio.run(server.generate(_call(n=2, temperature=0.9, seed=5, logprobs=0)))
-    for choice in result["choices"]:
-        record = choice["logprobs"]
+    for choice in result.choices:
+        record = choice.logprobs
+        assert record is not None
         assert len(record["token_logprobs"]) == 6
         assert all(math.isfinite(lp) and lp <= 0 for lp in record["token_logprobs"])
         assert record["top_logprobs"] == [[]] * 6
 
 
-async def _stream(server: Any, call: dict[str, Any]) -> list[dict[str, Any]]:
+async def _stream(server: Any, call: GenerationCall) -> list[GenerationEvent]:
     return [event async for event in server.stream(call)]
 
 
@@ -381,7 +377,8 @@ def _formatters() -> tuple[Any, Any]:
 
 
 def test_streamed_logprobs_match_the_whole_answer(server: Any) -> None:
-    whole = asyncio.run(server.generate(_call(logprobs=2)))["choices"][0]["logprobs"]
+    whole = asyncio.run(server.generate(_call(logprobs=2))).choices[0].logprobs
+    assert whole is not None
     events = asyncio.run(_stream(server, _call(logprobs=2)))
     chat_fmt, completion_fmt = _formatters()
 
@@ -415,7 +412,7 @@ def test_streams_without_logprobs_carry_none(server: Any) -> None:
     chat_fmt, _ = _formatters()
     chunks = [chunk for event in events for chunk in chat_fmt(event)]
     assert chunks and all(c["logprobs"] is None for chunk in chunks for c in chunk["choices"])
-    assert all("logprobs" not in e for e in events)
+    assert all(e.logprobs is None for e in events)
 
 
 def test_static_engine_reports_alternatives_too() -> None:

@@ -15,9 +15,11 @@ import pytest
 
 from carpool.errors import RequestError
 from carpool.generation.factory import make_engine
+from carpool.generation.hops import Choice, GenerationEvent, GenerationResult
 from carpool.generation.protocol import GenerationEngine
 from carpool.generation.sampling import SamplingParams
 from carpool.generation.scheduler import SchedulerLimits
+from carpool.generation.schemas import GenerationCall
 from carpool.generation.sequence import GenSequence, SeqEvent, StepRecord, TokenizerInfo
 
 MODES = ["continuous", "static"]
@@ -377,7 +379,7 @@ def run(coro):
     return asyncio.run(coro)
 
 
-async def collect_stream(server, call: dict) -> list[dict]:
+async def collect_stream(server, call: GenerationCall) -> list[GenerationEvent]:
     return [event async for event in server.stream(call)]
 
 
@@ -394,23 +396,24 @@ def test_server_generates_and_streams_the_same_greedy_text(tiny, references, int
         },
     )
     try:
-        call = {"prompts": [PROMPTS[2]], "max_tokens": 11, "temperature": 0, "ignore_eos": True}
+        call = GenerationCall(prompts=[PROMPTS[2]], max_tokens=11, temperature=0, ignore_eos=True)
         result = run(server.generate(call))
         events = run(collect_stream(server, call))
     finally:
         server.close()
     text = tiny[1].decode(references[2], skip_special_tokens=True)
-    assert result["choices"] == [{"index": 0, "text": text, "finish_reason": "length"}]
-    assert result["completion_tokens"] == 11
-    assert result["prompt_tokens"] == len(tiny[1](PROMPTS[2])["input_ids"])
-    assert events[0]["type"] == "start" and events[-1]["type"] == "end"
-    deltas = [e for e in events if e["type"] == "delta"]
-    assert "".join(e["text"] for e in deltas) == text
-    assert deltas[-1]["finish_reason"] == "length"
+    assert isinstance(result, GenerationResult) and result.decision is None
+    assert result.choices == [Choice(0, text, "length")]
+    assert result.completion_tokens == 11
+    assert result.prompt_tokens == len(tiny[1](PROMPTS[2])["input_ids"])
+    assert events[0].type == "start" and events[-1].type == "end"
+    deltas = [e for e in events if e.type == "delta"]
+    assert "".join(e.text for e in deltas) == text
+    assert deltas[-1].finish_reason == "length"
     # What the engine had ready when the stream read it goes out together, so on a busy
     # machine the first delta may carry more than the first token (test_coalesce.py pins
     # the interval itself); every delta after the first holds `tokens` or ends the choice.
-    assert deltas[0]["text"].startswith(tiny[1].decode(references[2][:1], skip_special_tokens=True))
+    assert deltas[0].text.startswith(tiny[1].decode(references[2][:1], skip_special_tokens=True))
     assert len(deltas) <= 1 + -(-10 // tokens)
 
 
@@ -437,8 +440,8 @@ def test_n_choices_and_several_prompts_are_indexed_like_openai(tiny):
         second = run(server.generate(call))
     finally:
         server.close()
-    assert [c["index"] for c in first["choices"]] == [0, 1, 2, 3]
-    assert first["choices"] == second["choices"]  # seeded
+    assert [c.index for c in first.choices] == [0, 1, 2, 3]
+    assert first.choices == second.choices  # seeded
     assert first["completion_tokens"] == 16
 
 
@@ -472,7 +475,7 @@ def test_closing_a_stream_early_frees_the_slot(tiny):
         )
         seen = 0
         async for event in stream:
-            seen += event["type"] == "delta"
+            seen += event.type == "delta"
             if seen == 2:
                 break
         await stream.aclose()

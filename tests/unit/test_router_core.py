@@ -3,52 +3,103 @@
 from __future__ import annotations
 
 import asyncio
+import pickle
 from collections.abc import AsyncIterator
 from typing import Any
 
 import pytest
 
+from carpool.generation.hops import Choice, GenerationEvent, GenerationResult, RouteDecision
+from carpool.generation.schemas import GenerationCall
 from router.config import RouterConfig
 from router.core import RouterServer
 
 
 class FakeGenerator:
-    """Answers after ``delay`` s; ``finish`` and ``text`` say what the answer looks like."""
+    """Answers after ``delay`` s; ``finish`` and ``text`` say what the answer looks like.
+
+    It takes only what a generator deployment takes: a ``GenerationCall`` that carries the
+    router's predicted length."""
 
     def __init__(
         self, name: str, delay: float = 0.0, finish: str = "stop", text: str = "a fine answer"
     ) -> None:
         self.name, self.delay, self.finish, self.text = name, delay, finish, text
-        self.calls: list[dict[str, Any]] = []
+        self.calls: list[GenerationCall] = []
         self.order: list[str] = []
 
-    async def generate(self, call: dict[str, Any]) -> dict[str, Any]:
+    def _took(self, call: GenerationCall) -> None:
+        assert isinstance(call, GenerationCall), type(call)
+        assert call.predicted_tokens is not None and call.predicted_tokens > 0
         self.calls.append(call)
+
+    async def generate(self, call: GenerationCall) -> GenerationResult:
+        self._took(call)
         await asyncio.sleep(self.delay)
-        self.order.append(call["prompts"][0])
-        return {
-            "model": self.name,
-            "prompt_tokens": 5,
-            "completion_tokens": 7,
-            "choices": [{"index": 0, "text": self.text, "finish_reason": self.finish}],
-        }
+        self.order.append(call.prompts[0])
+        return GenerationResult(self.name, [Choice(0, self.text, self.finish)], 5, 7)
 
-    async def stream(self, call: dict[str, Any]) -> AsyncIterator[dict[str, Any]]:
-        self.calls.append(call)
-        yield {"type": "start", "model": self.name, "prompt_tokens": 5}
-        yield {"type": "delta", "index": 0, "text": self.text, "finish_reason": self.finish}
-        yield {"type": "end", "prompt_tokens": 5, "completion_tokens": 3}
+    async def stream(self, call: GenerationCall) -> AsyncIterator[GenerationEvent]:
+        self._took(call)
+        yield GenerationEvent.start(self.name, 5)
+        yield GenerationEvent("delta", index=0, text=self.text, finish_reason=self.finish)
+        yield GenerationEvent.end(5, 3)
 
 
-def _call(prompt: str, max_tokens: int = 64) -> dict[str, Any]:
-    return {"prompts": [prompt], "max_tokens": max_tokens}
+def _call(prompt: str, max_tokens: int = 64) -> GenerationCall:
+    return GenerationCall(prompts=[prompt], max_tokens=max_tokens)
 
 
 def test_explicit_models_are_respected() -> None:
     small, large = FakeGenerator("small"), FakeGenerator("large")
     router = RouterServer({}, {"small": small, "large": large})
     result = asyncio.run(router.generate(_call("hi"), requested="large"))
-    assert result["carpool"]["model"] == "large" and len(large.calls) == 1 and not small.calls
+    assert result.decision is not None
+    assert result.decision.model == "large" and len(large.calls) == 1 and not small.calls
+
+
+def test_the_router_passes_and_returns_typed_objects() -> None:
+    """The call goes on as a GenerationCall with the prediction set (the caller's own call
+    untouched), and the answer comes back with the decision as a typed field."""
+    small, large = FakeGenerator("small"), FakeGenerator("large")
+    router = RouterServer({"policy": "threshold"}, {"small": small, "large": large})
+    call = _call("Answer yes or no: is ice cold?", 16)
+    result = asyncio.run(router.generate(call))
+    assert isinstance(result, GenerationResult)
+    decision = result.decision
+    assert isinstance(decision, RouteDecision)
+    assert decision.model == "small" and decision.actual_tokens == 7
+    assert small.calls[0].predicted_tokens == pytest.approx(decision.predicted_tokens, abs=0.05)
+    assert small.calls[0].prompts == call.prompts and call.predicted_tokens is None
+    # The public shape, made at the HTTP edge only.
+    assert list(decision.to_dict()) == [
+        "model",
+        "lane",
+        "predicted_tokens",
+        "escalated",
+        "overflow",
+        "reason",
+        "queue_ms",
+        "actual_tokens",
+    ]
+    # What crosses a Ray hop pickles whole.
+    assert pickle.loads(pickle.dumps(result)) == result
+
+
+def test_a_stream_start_event_carries_the_decision() -> None:
+    small, large = FakeGenerator("small"), FakeGenerator("large")
+    router = RouterServer({"policy": "threshold"}, {"small": small, "large": large})
+
+    async def main() -> list[GenerationEvent]:
+        return [e async for e in router.stream(_call("hi"))]
+
+    start, delta, end = asyncio.run(main())
+    assert start.type == "start" and start.model == "small"
+    assert isinstance(start.decision, RouteDecision)
+    assert start.decision.actual_tokens is None  # not known before generating
+    assert "actual_tokens" not in start.decision.to_dict()
+    assert delta.decision is None and end.decision is None
+    assert isinstance(small.calls[0], GenerationCall) and small.calls[0].predicted_tokens
 
 
 def test_cascade_escalates_an_unfinished_small_answer() -> None:
@@ -56,10 +107,10 @@ def test_cascade_escalates_an_unfinished_small_answer() -> None:
     large = FakeGenerator("large")
     router = RouterServer({"policy": "cascade"}, {"small": small, "large": large})
     result = asyncio.run(router.generate(_call("Explain relativity")))
-    assert result["model"] == "large"
-    record = result["carpool"]
-    assert record["escalated"] and record["model"] == "large"
-    assert "max_tokens" in record["reason"]
+    assert result.model == "large"
+    record = result.decision
+    assert record is not None and record.escalated and record.model == "large"
+    assert "max_tokens" in record.reason
     assert len(small.calls) == len(large.calls) == 1
 
 
@@ -67,7 +118,8 @@ def test_cascade_keeps_a_good_small_answer() -> None:
     small, large = FakeGenerator("small"), FakeGenerator("large")
     router = RouterServer({"policy": "cascade"}, {"small": small, "large": large})
     result = asyncio.run(router.generate(_call("Answer yes or no: is ice cold?")))
-    assert result["carpool"]["model"] == "small" and not large.calls
+    assert result.decision is not None
+    assert result.decision.model == "small" and not large.calls
 
 
 def test_learned_cascade_skips_small_for_prompts_that_always_escalate() -> None:
@@ -75,12 +127,15 @@ def test_learned_cascade_skips_small_for_prompts_that_always_escalate() -> None:
     large = FakeGenerator("large")
     router = RouterServer({"policy": "learned_cascade"}, {"small": small, "large": large})
 
-    async def main() -> list[dict]:
-        return [await router.generate(_call("Write python code for a parser")) for _ in range(60)]
+    async def main() -> list[RouteDecision | None]:
+        return [
+            (await router.generate(_call("Write python code for a parser"))).decision
+            for _ in range(60)
+        ]
 
-    results = asyncio.run(main())
-    assert results[0]["carpool"]["escalated"]
-    assert results[-1]["carpool"]["reason"].startswith("learned")
+    decisions = asyncio.run(main())
+    assert decisions[0] is not None and decisions[0].escalated
+    assert decisions[-1] is not None and decisions[-1].reason.startswith("learned")
     assert len(small.calls) < 60  # later requests went straight to large
 
 
@@ -92,7 +147,8 @@ def test_overflow_serves_on_small_when_large_is_backed_up() -> None:
     )
     router.gates["large"].queued_tokens = 10_000  # a long backlog on large
     result = asyncio.run(router.generate(_call("Write a story about dragons in detail")))
-    assert result["carpool"]["overflow"] and result["carpool"]["model"] == "small"
+    assert result.decision is not None
+    assert result.decision.overflow and result.decision.model == "small"
 
 
 def test_short_requests_overtake_long_ones_waiting_in_the_same_model() -> None:
@@ -170,11 +226,11 @@ def test_streaming_carries_the_decision_and_learns() -> None:
     small, large = FakeGenerator("small"), FakeGenerator("large")
     router = RouterServer({"policy": "threshold"}, {"small": small, "large": large})
 
-    async def main() -> list[dict]:
+    async def main() -> list[GenerationEvent]:
         return [e async for e in router.stream(_call("hi"))]
 
     events = asyncio.run(main())
-    assert events[0]["carpool"]["model"] == "small"
+    assert events[0].decision is not None and events[0].decision.model == "small"
     assert router.predictor.observations == 1
 
 
@@ -197,3 +253,57 @@ def test_router_fields_of_a_deployment_it_no_longer_has_are_refused_by_name(fiel
     silently ignored, and the message says where the setting went."""
     with pytest.raises(ValueError, match=rf"router\.{field}.*generate_ingress"):
         RouterConfig.model_validate({field: 2 if field == "num_replicas" else {"x": 1}})
+
+
+def test_the_hosted_routers_client_hands_the_call_on_as_it_is() -> None:
+    """``_HandleClient`` (the router's way to a generator handle) sends the GenerationCall
+    itself and reads its priority as an attribute."""
+    from router.deployment import _HandleClient
+
+    seen: list[GenerationCall] = []
+
+    class Handle:
+        def __init__(self) -> None:
+            self.generate = self
+
+        def remote(self, call: GenerationCall) -> Any:
+            seen.append(call)
+
+            async def answer() -> GenerationResult:
+                return GenerationResult("small", [Choice(0, "x", "stop")], 1, 1)
+
+            return answer()
+
+    call = GenerationCall(prompts=["hi"], priority="batch", predicted_tokens=3.0)
+    result = asyncio.run(_HandleClient(Handle()).generate(call))
+    assert seen == [call] and seen[0] is call
+    assert isinstance(result, GenerationResult) and result.choices[0].text == "x"
+
+
+def test_router_metrics_read_the_typed_decision() -> None:
+    from router.deployment import ROUTER_METRICS, RayRouterMetrics
+
+    class Metric:
+        def __init__(self) -> None:
+            self.seen: list[Any] = []
+
+        def inc(self, tags: dict[str, str]) -> None:
+            self.seen.append(tags)
+
+        def observe(self, value: float, tags: dict[str, str]) -> None:
+            self.seen.append(value)
+
+    metrics = object.__new__(RayRouterMetrics)  # without Ray's metric objects
+    made = {name: Metric() for name in ROUTER_METRICS}
+    metrics._m = made  # type: ignore[assignment]
+    metrics.on_decision(RouteDecision("large", "short", 3.6, True, False, "why", 1.5, 2))
+    tags = {"model": "large", "lane": "short"}
+    assert made["carpool_router_decisions_total"].seen == [tags]
+    assert made["carpool_router_escalations_total"].seen == [tags]
+    assert made["carpool_router_overflows_total"].seen == []
+    assert made["carpool_router_predicted_tokens"].seen == [3.6]
+    assert made["carpool_router_lane_queue_ms"].seen == [1.5]
+    assert len(made["carpool_router_prediction_error_log"].seen) == 1
+    # A stream's start decision has no actual length yet: no error observed.
+    metrics.on_decision(RouteDecision("small", "short", 3.6, False, False, "why", 0.0))
+    assert len(made["carpool_router_prediction_error_log"].seen) == 1

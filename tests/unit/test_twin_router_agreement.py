@@ -3,8 +3,8 @@
 The serving router (``RouterServer.generate`` over fake async generators) and the twin
 (``carpool_twin.sim.Twin._route`` on its event loop) both drive the router's flow
 (``plan`` -> gate -> call -> ``after_answer`` -> ``finish``). Each driver still translates its
-own world: the async one reads a generator's answer dict, the twin a ``SimRequest``. This test
-feeds both the same requests (varied prompts, ``max_tokens``, small answers that are cut off,
+own world: the async one reads a generator's ``GenerationResult``, the twin a ``SimRequest``.
+This test feeds both the same requests (varied prompts, ``max_tokens``, small answers that are cut off,
 unsure or fine) and checks, request by request, the model, lane, predicted length, escalation
 and reason, the models called in order, and at the end the length predictor's and the
 escalation learner's learned state.
@@ -21,6 +21,8 @@ from typing import Any
 import numpy as np
 import pytest
 
+from carpool.generation.hops import Choice, GenerationResult, RouteDecision
+from carpool.generation.schemas import GenerationCall
 from carpool_twin.replicas import GeneratorReplica, SimRequest
 from carpool_twin.sim import Pool, Twin
 from router.core import RouterServer
@@ -59,9 +61,9 @@ def requests(seed: int, n: int) -> list[SimRequest]:
     return out
 
 
-def call_of(req: SimRequest) -> dict[str, Any]:
+def call_of(req: SimRequest) -> GenerationCall:
     """The call the twin's router sees for ``req`` (carpool_twin.sim.Twin._route)."""
-    return {"prompts": [req.text], "max_tokens": req.max_tokens}
+    return GenerationCall(prompts=[req.text], max_tokens=req.max_tokens)
 
 
 class Answers:
@@ -71,20 +73,20 @@ class Answers:
     def __init__(self, name: str, current: list[SimRequest], called: list[str]) -> None:
         self.name, self.current, self.called = name, current, called
 
-    async def generate(self, call: dict[str, Any]) -> dict[str, Any]:
+    async def generate(self, call: GenerationCall) -> GenerationResult:
         self.called.append(self.name)
         req = self.current[0]
         cut = req.produced >= req.max_tokens
-        return {
-            "model": self.name,
-            "prompt_tokens": req.prompt_tokens,
-            "completion_tokens": req.produced,
-            "token_ids": list(range(req.produced)),  # no repetition, as the twin reads it
-            "token_logprobs": [req.small_mean_logprob] * req.produced,
-            "choices": [{"index": 0, "text": "", "finish_reason": "length" if cut else "stop"}],
-        }
+        return GenerationResult(
+            self.name,
+            [Choice(0, "", "length" if cut else "stop")],
+            req.prompt_tokens,
+            req.produced,
+            token_ids=list(range(req.produced)),  # no repetition, as the twin reads it
+            token_logprobs=[req.small_mean_logprob] * req.produced,
+        )
 
-    async def stream(self, call: dict[str, Any]) -> Any:
+    async def stream(self, call: GenerationCall) -> Any:
         raise AssertionError("the agreement test generates whole answers only")
 
 
@@ -92,9 +94,9 @@ class Recorder:
     def __init__(self) -> None:
         self.records: list[dict[str, Any]] = []
 
-    def on_decision(self, record: dict[str, Any]) -> None:
+    def on_decision(self, decision: RouteDecision) -> None:
         # Time in the lane is wall-clock for one and simulated for the other.
-        self.records.append({k: v for k, v in record.items() if k != "queue_ms"})
+        self.records.append({k: v for k, v in decision.to_dict().items() if k != "queue_ms"})
 
 
 class CallsTwin(Twin):

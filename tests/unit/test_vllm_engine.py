@@ -248,7 +248,7 @@ def test_step_record_from_vllm_iteration_stats() -> None:
 def test_the_routers_prediction_reaches_the_sequences(
     tmp_path_factory: pytest.TempPathFactory,
 ) -> None:
-    """router -> call["predicted_tokens"] -> GenSequence.predicted_tokens (vLLM's priority)."""
+    """router -> call.predicted_tokens -> GenSequence.predicted_tokens (vLLM's priority)."""
     import asyncio
 
     from carpool.generation.schemas import GenerationCall
@@ -258,12 +258,10 @@ def test_the_routers_prediction_reaches_the_sequences(
 
     small = FakeGenerator("small")
     router = RouterServer({"policy": "threshold"}, {"small": small, "large": FakeGenerator("l")})
-    result = asyncio.run(router.generate({"prompts": ["hi"], "max_tokens": 8}))
-    predicted = small.calls[0]["predicted_tokens"]
-    assert (
-        predicted == result["carpool"]["predicted_tokens"]
-        or abs(predicted - result["carpool"]["predicted_tokens"]) < 0.1
-    )
+    result = asyncio.run(router.generate(GenerationCall(prompts=["hi"], max_tokens=8)))
+    predicted = small.calls[0].predicted_tokens
+    assert predicted is not None and result.decision is not None
+    assert abs(predicted - result.decision.predicted_tokens) < 0.1
 
     path = build_tiny_models(tmp_path_factory.mktemp("tiny-pred"))["causal_lm"]
     server = GeneratorServer({"source": {"model": path}, "limits": {"max_seq_len": 64}})
