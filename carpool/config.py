@@ -325,6 +325,23 @@ class ModelSourceConfig(StrictModel):
         return self
 
 
+# The torch encoders' (embedder, ranker) bound on a GPU they share with vLLM's engines, whose
+# KV caches are fixed (vllm.kv_cache_memory_gib); checked against the replica's device by
+# carpool.devices.gpu_memory_fraction_problem, applied by carpool.devices.limit_gpu_memory.
+GpuMemoryFraction = Annotated[
+    float | None,
+    Field(
+        gt=0,
+        le=1,
+        description="Share of its GPU's memory this replica's torch may allocate "
+        "(torch.cuda.set_per_process_memory_fraction), in (0, 1], at most replica.num_gpus; "
+        "past it a batch fails with an out-of-memory error in this replica instead of taking "
+        "memory the other models on the GPU counted on. null: no cap. Refused on the CPU "
+        "(replica.num_gpus 0 or source.device cpu), where torch has no such cap.",
+    ),
+]
+
+
 class IngressConfig(StrictModel):
     """Serve options of a pipeline's HTTP ingress (parsing, validation, fan-out; no model)."""
 

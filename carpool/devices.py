@@ -17,7 +17,8 @@ what the engine can see does not say what the replica may use. The rule here:
 probes (``ray.get_gpu_ids``, ``torch.cuda.is_available``, vLLM's platform) looked up at
 call time from ``PROBES``, so tests replace them and nothing here needs a GPU.
 ``pick_device`` and ``pick_dtype`` turn ``source.device`` / ``source.dtype`` into what torch
-loads a model with.
+loads a model with. ``gpu_memory_fraction_problem`` and ``limit_gpu_memory`` bound a torch
+encoder's share of a GPU it shares with vLLM's engines (``gpu_memory_fraction``, docs/gpu.md).
 """
 
 from __future__ import annotations
@@ -202,3 +203,65 @@ def pick_dtype(requested: str, device: str) -> Any:
     return {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}[
         requested
     ]
+
+
+# --- a torch encoder's share of a shared GPU ----------------------------------------------
+
+# (fraction, device index): torch.cuda.set_per_process_memory_fraction's signature.
+FractionSetter = Callable[[float, int], None]
+
+
+def gpu_memory_fraction_problem(
+    fraction: float | None, requested_device: str, num_gpus: float
+) -> str | None:
+    """Why ``gpu_memory_fraction`` cannot be honoured on this replica, or None.
+
+    Decided from the config alone (``serve deploy`` refuses it): a replica with no GPU, or one
+    told ``source.device: cpu``, computes on the CPU, where torch has no such cap; a fraction
+    above ``replica.num_gpus`` could take memory Ray promised to another replica on the GPU.
+    """
+    if fraction is None:
+        return None
+    if num_gpus <= 0 or requested_device == "cpu":
+        where = "source.device is 'cpu'" if requested_device == "cpu" else "replica.num_gpus is 0"
+        return (
+            f"gpu_memory_fraction is {fraction} but {where}, so this replica computes on the "
+            "CPU, where torch cannot cap its memory; remove gpu_memory_fraction (or set it to "
+            "null), or give the replica a GPU (replica.num_gpus > 0, source.device: auto)"
+        )
+    if fraction > num_gpus:
+        return (
+            f"gpu_memory_fraction ({fraction}) exceeds replica.num_gpus ({num_gpus}): the "
+            "replica could take GPU memory Ray gave to the others on its GPU; set "
+            f"gpu_memory_fraction to at most {num_gpus}"
+        )
+    return None
+
+
+def _torch_set_fraction(fraction: float, index: int) -> None:
+    import torch
+
+    torch.cuda.set_per_process_memory_fraction(fraction, index)
+
+
+def limit_gpu_memory(
+    fraction: float | None, device: str, setter: FractionSetter | None = None
+) -> bool:
+    """Caps this process's CUDA allocations on ``device`` at ``fraction`` of its memory.
+
+    Called once where the model is put on its device, before its weights load; whether it
+    applied. torch then raises its out-of-memory error in this replica (which fails the
+    batch) instead of taking memory vLLM's engines on the same GPU counted on. A set fraction
+    on a device other than CUDA is refused (``DeviceUnusable``), never ignored.
+    """
+    if fraction is None:
+        return False
+    if not device.startswith("cuda"):
+        raise DeviceUnusable(
+            f"gpu_memory_fraction is {fraction} but this replica computes on {device!r}, "
+            "where torch cannot cap its memory; remove gpu_memory_fraction (or set it to "
+            "null), or give the replica a GPU (replica.num_gpus > 0, source.device: auto)"
+        )
+    index = device.partition(":")[2]
+    (setter or _torch_set_fraction)(fraction, int(index) if index else 0)
+    return True

@@ -25,7 +25,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from carpool.devices import pick_device, pick_dtype
+from carpool.devices import limit_gpu_memory, pick_device, pick_dtype
 from carpool.errors import ModelSourceError
 
 logger = logging.getLogger(__name__)
@@ -193,14 +193,18 @@ def load_pretrained(
     dtype: str = "auto",
     model: Any = None,
     tokenizer: Any = None,
+    gpu_memory_fraction: float | None = None,
 ) -> LoadedModel:
     """Resolves ``source``, loads tokenizer and model with ``auto_class``, puts it on the device.
 
-    Tests inject ``model`` and ``tokenizer`` (tiny, built in the test) and skip the loading.
+    ``gpu_memory_fraction`` caps this process's CUDA memory before the weights arrive (the
+    encoders' config field; refused off CUDA). Tests inject ``model`` and ``tokenizer``
+    (tiny, built in the test) and skip the loading.
     """
     from transformers import AutoTokenizer
 
     picked = pick_device(device)
+    limit_gpu_memory(gpu_memory_fraction, picked)
     path = None
     if model is None or tokenizer is None:
         path = resolve_model_source(source)

@@ -16,13 +16,19 @@ from dataclasses import dataclass
 from typing import Any, Literal, Protocol
 
 import numpy as np
-from pydantic import Field
+from pydantic import Field, model_validator
 from ray import serve
 from ray.serve.deployment import Application
 
 from carpool.admission import RequestControls
-from carpool.config import BatchingConfig, ModelSourceConfig, ReplicaConfig, StrictModel
-from carpool.devices import place_replica
+from carpool.config import (
+    BatchingConfig,
+    GpuMemoryFraction,
+    ModelSourceConfig,
+    ReplicaConfig,
+    StrictModel,
+)
+from carpool.devices import gpu_memory_fraction_problem, place_replica
 from carpool.errors import RequestError
 from carpool.models import load_pretrained, resolve_pooling, sentence_transformers_max_length
 from carpool.priority import apply_replica_priority
@@ -48,8 +54,18 @@ class EmbedderConfig(StrictModel):
         "it to override the folder.",
     )
     normalize: bool = Field(default=True, description="L2-normalise embeddings.")
+    gpu_memory_fraction: GpuMemoryFraction = None
     replica: ReplicaConfig = Field(default_factory=lambda: ReplicaConfig(num_cpus=1.0))
     batching: BatchingConfig = Field(default_factory=BatchingConfig)
+
+    @model_validator(mode="after")
+    def _gpu_memory_fraction_fits(self) -> EmbedderConfig:
+        problem = gpu_memory_fraction_problem(
+            self.gpu_memory_fraction, self.source.device, self.replica.num_gpus
+        )
+        if problem:
+            raise ValueError(f"embedder: {problem}")
+        return self
 
 
 class EmbeddingModel(Protocol):
@@ -85,7 +101,15 @@ class TextEmbedder:
         self._torch = torch
         self.name = config.source.served_model_name or "embedder"
         src = config.source
-        loaded = load_pretrained(src.model, AutoModel, src.device, src.dtype, model, tokenizer)
+        loaded = load_pretrained(
+            src.model,
+            AutoModel,
+            src.device,
+            src.dtype,
+            model,
+            tokenizer,
+            gpu_memory_fraction=config.gpu_memory_fraction,
+        )
         self.device, self.tokenizer, self.model = loaded.device, loaded.tokenizer, loaded.model
         tokenizer = loaded.tokenizer
         st_max = sentence_transformers_max_length(loaded.path) if loaded.path else None

@@ -25,8 +25,14 @@ from ray import serve
 from ray.serve.deployment import Application
 
 from carpool.admission import RequestControls
-from carpool.config import BatchingConfig, ModelSourceConfig, ReplicaConfig, StrictModel
-from carpool.devices import place_replica
+from carpool.config import (
+    BatchingConfig,
+    GpuMemoryFraction,
+    ModelSourceConfig,
+    ReplicaConfig,
+    StrictModel,
+)
+from carpool.devices import gpu_memory_fraction_problem, place_replica
 from carpool.errors import RequestError
 from carpool.models import load_pretrained
 from carpool.priority import apply_replica_priority
@@ -63,10 +69,20 @@ class RankerConfig(StrictModel):
     )
     yes_tokens: list[str] = Field(default_factory=lambda: list(DEFAULT_YES), min_length=1)
     no_tokens: list[str] = Field(default_factory=lambda: list(DEFAULT_NO), min_length=1)
+    gpu_memory_fraction: GpuMemoryFraction = None
     replica: ReplicaConfig = Field(default_factory=lambda: ReplicaConfig(num_cpus=0.5))
     batching: BatchingConfig = Field(
         default_factory=lambda: BatchingConfig(max_batch_size=32, max_batch_tokens=8192)
     )
+
+    @model_validator(mode="after")
+    def _gpu_memory_fraction_fits(self) -> RankerConfig:
+        problem = gpu_memory_fraction_problem(
+            self.gpu_memory_fraction, self.source.device, self.replica.num_gpus
+        )
+        if problem:
+            raise ValueError(f"ranker: {problem}")
+        return self
 
     @model_validator(mode="after")
     def _prompt_has_slots(self) -> RankerConfig:
@@ -121,7 +137,13 @@ class CrossEncoderScorer:
         self.name = config.source.served_model_name or "ranker"
         src = config.source
         loaded = load_pretrained(
-            src.model, AutoModelForSequenceClassification, src.device, src.dtype, model, tokenizer
+            src.model,
+            AutoModelForSequenceClassification,
+            src.device,
+            src.dtype,
+            model,
+            tokenizer,
+            gpu_memory_fraction=config.gpu_memory_fraction,
         )
         self.device, self.tokenizer, self.model = loaded.device, loaded.tokenizer, loaded.model
         self.max_length = _model_limit(config.source, self.model, self.tokenizer)
@@ -199,7 +221,13 @@ class LlmPointwiseScorer:
         self.name = config.source.served_model_name or "ranker"
         src = config.source
         loaded = load_pretrained(
-            src.model, AutoModelForCausalLM, src.device, src.dtype, model, tokenizer
+            src.model,
+            AutoModelForCausalLM,
+            src.device,
+            src.dtype,
+            model,
+            tokenizer,
+            gpu_memory_fraction=config.gpu_memory_fraction,
         )
         self.device, self.tokenizer, self.model = loaded.device, loaded.tokenizer, loaded.model
         self.max_length = _model_limit(config.source, self.model, self.tokenizer)
