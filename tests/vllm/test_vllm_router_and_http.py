@@ -14,6 +14,8 @@ from typing import Any
 import httpx
 import pytest
 
+from carpool.generation.hops import RouteDecision
+from carpool.generation.schemas import GenerationCall
 from router.core import RouterServer
 from tests.vllm.conftest import generator_config
 from tests.vllm.loop import run
@@ -26,13 +28,13 @@ PROMPT = "Once upon a time, in a small village,"
 
 
 def test_cascade_escalates_on_vllm_logprobs(vllm_server: Any, own_server: Any) -> None:
-    call = {"prompts": ["The capital of France is"], "max_tokens": 16, "temperature": 0}
+    call = GenerationCall(prompts=["The capital of France is"], max_tokens=16, temperature=0)
     small = run(vllm_server.generate(call))
-    lps = small["token_logprobs"]
+    lps = small.token_logprobs
     assert lps, "vLLM returned no logprobs for the cascade"
     mean = sum(lps) / len(lps)
 
-    def route(threshold: float) -> dict[str, Any]:
+    def route(threshold: float) -> RouteDecision:
         config = {
             "policy": "cascade",
             "min_mean_logprob": min(threshold, 0.0),
@@ -40,13 +42,15 @@ def test_cascade_escalates_on_vllm_logprobs(vllm_server: Any, own_server: Any) -
             "max_repetition": 1.0,
         }
         router = RouterServer(config, {"small": vllm_server, "large": own_server})
-        return run(router.generate(dict(call)))["carpool"]
+        decision = run(router.generate(call)).decision
+        assert decision is not None
+        return decision
 
     strict = route(mean + 0.05)
-    assert strict["escalated"] and strict["model"] == "large", strict
-    assert "mean logprob" in strict["reason"]
+    assert strict.escalated and strict.model == "large", strict
+    assert "mean logprob" in strict.reason
     lenient = route(mean - 0.05)
-    assert not lenient["escalated"] and lenient["model"] == "small", lenient
+    assert not lenient.escalated and lenient.model == "small", lenient
 
 
 @pytest.fixture(scope="module")
