@@ -70,7 +70,9 @@ def tree_cpu_s(pid: int | None = None) -> float:
 
 
 async def run_mode(server: Any, requests: list[dict[str, Any]], concurrency: int) -> dict:
-    queue = list(enumerate(requests))
+    from carpool.generation.schemas import GenerationCall
+
+    queue = [(i, GenerationCall(**r)) for i, r in enumerate(requests)]
     records: list[dict[str, float]] = []
     # The sustained window: from the start until the last request is handed out, while
     # every client has a request in flight (no ramp-down of the last requests).
@@ -86,11 +88,11 @@ async def run_mode(server: Any, requests: list[dict[str, Any]], concurrency: int
             first = last = None
             tokens = 0
             async for event in server.stream(call):
-                if event["type"] == "delta":
+                if event.type == "delta":
                     last = time.perf_counter()
                     first = first or last
-                if event["type"] == "end":
-                    tokens = event["completion_tokens"]
+                if event.type == "end":
+                    tokens = event.completion_tokens
             end = time.perf_counter()
             records.append(
                 {
@@ -99,7 +101,7 @@ async def run_mode(server: Any, requests: list[dict[str, Any]], concurrency: int
                     # Time per output token after the first, as the client sees deltas arrive.
                     "tpot_s": ((last or end) - (first or end)) / max(tokens - 1, 1),
                     "tokens": tokens,
-                    "max_tokens": call["max_tokens"],
+                    "max_tokens": call.max_tokens,
                 }
             )
 

@@ -23,15 +23,16 @@ from benchmarks.twin_common import (
     save_json,
 )
 from benchmarks.twin_gpu_engine import summarise
+from carpool.generation.schemas import GenerationCall
 
 
 async def _first_delta_tokens(server: Any, texts: list[str]) -> list[int]:
     async def one(text: str) -> int:
-        call = {"prompts": [text], "max_tokens": 4, "temperature": 0.0, "ignore_eos": True,
-                "logprobs": 0}  # fmt: skip
+        call = GenerationCall(prompts=[text], max_tokens=4, temperature=0.0, ignore_eos=True,
+                              logprobs=0)  # fmt: skip
         async for event in server.stream(call):
-            if event["type"] == "delta" and event["text"]:
-                return max(1, len((event.get("logprobs") or {}).get("tokens") or [None]))
+            if event.type == "delta" and event.text:
+                return max(1, len((event.logprobs or {}).get("tokens") or [None]))
         return 4
 
     return list(await asyncio.gather(*(one(t) for t in texts)))
@@ -81,11 +82,11 @@ async def _gen_calls(
     async def one(call: dict[str, Any]) -> None:
         start = time.perf_counter()
         first, tokens = None, 0
-        async for event in server.stream(call):
-            if event["type"] == "delta" and first is None:
+        async for event in server.stream(GenerationCall(**call)):
+            if event.type == "delta" and first is None:
                 first = time.perf_counter()
-            if event["type"] == "end":
-                tokens = event["completion_tokens"]
+            if event.type == "end":
+                tokens = event.completion_tokens
         end = time.perf_counter()
         records.append({"sent_s": start - t0, "latency_s": end - start,
                         "ttft_s": (first or end) - start, "tokens": tokens})  # fmt: skip

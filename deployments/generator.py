@@ -345,14 +345,9 @@ class GeneratorServer:
             code="timeout",
         )
 
-    async def generate(self, call: GenerationCall | dict) -> GenerationResult:
+    async def generate(self, call: GenerationCall) -> GenerationResult:
         """Runs a call to the end: choices (text, finish_reason), token counts, and choice 0's
-        ``token_ids`` / ``token_logprobs`` (for the router's cascade; HTTP leaves them out).
-
-        A dict call is validated here: the in-process harness (``benchmarks/``) builds dicts;
-        every ingress and the router send a ``GenerationCall``, which is used as it comes.
-        """
-        call = call if isinstance(call, GenerationCall) else GenerationCall.model_validate(call)
+        ``token_ids`` / ``token_logprobs`` (for the router's cascade; HTTP leaves them out)."""
         texts: dict[int, list[str]] = {}
         token_ids: list[int] = []
         token_logprobs: list[float] = []
@@ -382,14 +377,12 @@ class GeneratorServer:
             self.name, choices, prompt_tokens, completion, token_ids, token_logprobs
         )
 
-    async def stream(self, call: GenerationCall | dict) -> AsyncIterator[GenerationEvent]:
-        """Streams a call: a 'start' event, 'delta' events as text arrives, then 'end'
-        (a dict call is validated, as in ``generate``).
+    async def stream(self, call: GenerationCall) -> AsyncIterator[GenerationEvent]:
+        """Streams a call: a 'start' event, 'delta' events as text arrives, then 'end'.
 
         A choice's text goes out at its first token, then in messages of at least
         ``stream_interval_tokens`` tokens or ``stream_interval_ms`` apart, and at its end.
         """
-        call = call if isinstance(call, GenerationCall) else GenerationCall.model_validate(call)
         completion = prompt_tokens = 0
         held = StreamCoalescer(
             self.batching.stream_interval_tokens, self.batching.stream_interval_ms

@@ -14,7 +14,7 @@ from benchmarks.router_eval.metrics import (
     recommend,
     sweep,
 )
-from benchmarks.router_eval.models import _run_all, chat, load_jsonl, make_server
+from benchmarks.router_eval.models import _run_all, chat_call, load_jsonl, make_server
 from benchmarks.router_eval.settings import (
     CASCADE_MAX_TOKENS,
     CASCADE_SYSTEM,
@@ -22,19 +22,13 @@ from benchmarks.router_eval.settings import (
     QUESTIONS_PATH,
     SMALL_MODEL,
 )
+from carpool.generation.hops import GenerationResult
 
 
-def _answer_all(model: str, questions: list[dict[str, Any]]) -> list[dict[str, Any]]:
+def _answer_all(model: str, questions: list[dict[str, Any]]) -> list[GenerationResult]:
     server = make_server(model, max_num_seqs=16)
     try:
-        calls = [
-            {
-                "messages": chat(q["question"], CASCADE_SYSTEM),
-                "max_tokens": CASCADE_MAX_TOKENS,
-                "temperature": 0.0,
-            }
-            for q in questions
-        ]
+        calls = [chat_call(q["question"], CASCADE_MAX_TOKENS, CASCADE_SYSTEM) for q in questions]
         start = time.perf_counter()
         results = asyncio.run(_run_all(server, calls))
         print(f"{model}: {len(questions)} answers in {time.perf_counter() - start:.0f} s")
@@ -49,14 +43,14 @@ def part_cascade() -> dict[str, Any]:
     large = _answer_all(LARGE_MODEL, questions)
     outcomes, records = [], []
     for q, s, g in zip(questions, small, large, strict=True):
-        s_text, g_text = s["choices"][0]["text"], g["choices"][0]["text"]
+        s_text, g_text = s.choices[0].text, g.choices[0].text
         o = QuestionOutcome(
-            small_token_ids=tuple(s["token_ids"]),
-            small_logprobs=tuple(s["token_logprobs"]),
-            small_finish=s["choices"][0]["finish_reason"],
+            small_token_ids=tuple(s.token_ids),
+            small_logprobs=tuple(s.token_logprobs),
+            small_finish=s.choices[0].finish_reason,
             small_correct=check_answer(s_text, q["answer"], q["rule"], q["question"]),
             large_correct=check_answer(g_text, q["answer"], q["rule"], q["question"]),
-            large_tokens=int(g["completion_tokens"]),
+            large_tokens=g.completion_tokens,
         )
         outcomes.append(o)
         lps = o.small_logprobs

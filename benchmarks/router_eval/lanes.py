@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from benchmarks.router_eval.metrics import percentile
-from benchmarks.router_eval.models import _features, chat, load_jsonl, make_server
+from benchmarks.router_eval.models import _features, chat_call, load_jsonl, make_server
 from benchmarks.router_eval.settings import (
     LENGTH_MAX_TOKENS,
     LENGTHS_PATH,
@@ -58,16 +58,16 @@ async def _drive(router: Any, trace: list[_Request]) -> list[dict[str, Any]]:
         if delay > 0:
             await asyncio.sleep(delay)
         sent = time.perf_counter()
-        call = {"messages": chat(req.prompt), "max_tokens": req.max_tokens, "temperature": 0.0}
-        result = await router.generate(call, requested="small")
+        result = await router.generate(chat_call(req.prompt, req.max_tokens), requested="small")
         done = time.perf_counter()
+        decision = result.decision  # the router sets it on every answer
         return {
             "kind": req.kind,
             "latency_s": done - sent,
             "done_at": done - start,
-            "tokens": result["completion_tokens"],
-            "lane": result["carpool"]["lane"],
-            "predicted": result["carpool"]["predicted_tokens"],
+            "tokens": result.completion_tokens,
+            "lane": decision.lane,
+            "predicted": decision.predicted_tokens,
         }
 
     return list(await asyncio.gather(*(one(r) for r in trace)))
@@ -138,7 +138,7 @@ def part_lanes(
             SMALL_MODEL, max_num_seqs=max_num_seqs, engine=engine, priority=priority, aging=aging
         )
         # One tiny request, so no run pays for first-call set-up.
-        asyncio.run(server.generate({"messages": chat("Hi"), "max_tokens": 4, "temperature": 0}))
+        asyncio.run(server.generate(chat_call("Hi", 4)))
         starts.append(time.perf_counter() - t0)
         return server
 

@@ -6,8 +6,9 @@ from __future__ import annotations
 import asyncio
 import json
 import time
+from collections.abc import AsyncIterator
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from benchmarks.router_eval.settings import (
     LENGTH_MAX_TOKENS,
@@ -16,6 +17,10 @@ from benchmarks.router_eval.settings import (
     SMALL_MODEL,
     THREADS,
 )
+from carpool.generation.schemas import GenerationCall
+
+if TYPE_CHECKING:
+    from carpool.generation.hops import GenerationEvent, GenerationResult
 
 
 def load_jsonl(path: Path) -> list[dict[str, Any]]:
@@ -25,6 +30,11 @@ def load_jsonl(path: Path) -> list[dict[str, Any]]:
 def chat(prompt: str, system: str | None = None) -> list[dict[str, str]]:
     messages = [{"role": "system", "content": system}] if system else []
     return [*messages, {"role": "user", "content": prompt}]
+
+
+def chat_call(prompt: str, max_tokens: int, system: str | None = None) -> GenerationCall:
+    """A greedy chat call of ``prompt`` (after ``system``), as the parts send it."""
+    return GenerationCall(messages=chat(prompt, system), max_tokens=max_tokens, temperature=0.0)
 
 
 ENGINES = ("continuous", "vllm")
@@ -79,7 +89,7 @@ def make_server(model: str, max_num_seqs: int, max_step_tokens: int = 512, **eng
     return GeneratorServer(server_config(model, max_num_seqs, max_step_tokens, **engine))
 
 
-async def _run_all(server: Any, calls: list[dict[str, Any]]) -> list[dict[str, Any]]:
+async def _run_all(server: Any, calls: list[GenerationCall]) -> list[GenerationResult]:
     return list(await asyncio.gather(*(server.generate(c) for c in calls)))
 
 
@@ -93,15 +103,12 @@ def true_lengths(refresh: bool) -> dict[str, int]:
     server = make_server(SMALL_MODEL, max_num_seqs=32, max_step_tokens=1024)
     try:
         start = time.perf_counter()
-        calls = [
-            {"messages": chat(p["prompt"]), "max_tokens": LENGTH_MAX_TOKENS, "temperature": 0.0}
-            for p in prompts
-        ]
+        calls = [chat_call(p["prompt"], LENGTH_MAX_TOKENS) for p in prompts]
         results = asyncio.run(_run_all(server, calls))
         elapsed = time.perf_counter() - start
     finally:
         server.close()
-    lengths = {str(p["id"]): r["completion_tokens"] for p, r in zip(prompts, results, strict=True)}
+    lengths = {str(p["id"]): r.completion_tokens for p, r in zip(prompts, results, strict=True)}
     LENGTHS_PATH.write_text(
         json.dumps(
             {
@@ -121,7 +128,7 @@ def true_lengths(refresh: bool) -> dict[str, int]:
 
 def _features(router: Any, prompt: str, max_tokens: int) -> Any:
     # The router's own feature path (prompt-token estimate, last user turn, cues).
-    return router.features({"messages": chat(prompt), "max_tokens": max_tokens})
+    return router.features(chat_call(prompt, max_tokens))
 
 
 def _bare_router(config: dict[str, Any] | None = None) -> Any:
@@ -131,9 +138,9 @@ def _bare_router(config: dict[str, Any] | None = None) -> Any:
 
 
 class _NoClient:
-    async def generate(self, call: dict[str, Any]) -> dict[str, Any]:
+    async def generate(self, call: GenerationCall) -> GenerationResult:
         raise RuntimeError("the predictor part runs no model through the router")
 
-    async def stream(self, call: dict[str, Any]) -> Any:
+    async def stream(self, call: GenerationCall) -> AsyncIterator[GenerationEvent]:
         raise RuntimeError("the predictor part runs no model through the router")
-        yield {}
+        yield

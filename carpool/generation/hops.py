@@ -9,42 +9,12 @@ only at the HTTP edge.
 
 These cross a hop per request and per streamed message: plain slotted dataclasses, built
 without validation (the generator builds them from its own values) and pickled field by field.
-The generator's in-process readers in ``benchmarks/`` still read them by key; ``ByKey`` keeps
-that working for declared fields only, and serving code reads attributes.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, field
 from typing import Any, Literal
-
-
-class ByKey:
-    """``obj["name"]`` / ``obj.get("name")`` for a dataclass's declared fields only.
-
-    For the benchmark harness's in-process readers of a generator's answers (written when
-    answers were dicts); serving code reads attributes. An undeclared key is a KeyError.
-    """
-
-    __slots__ = ()
-
-    def __getitem__(self, key: str) -> Any:
-        if key not in _field_names(type(self)):
-            raise KeyError(key)
-        return getattr(self, key)
-
-    def get(self, key: str, default: Any = None) -> Any:
-        return getattr(self, key) if key in _field_names(type(self)) else default
-
-
-_FIELDS: dict[type, frozenset[str]] = {}
-
-
-def _field_names(cls: type) -> frozenset[str]:
-    names = _FIELDS.get(cls)
-    if names is None:
-        names = _FIELDS[cls] = frozenset(f.name for f in fields(cls))  # type: ignore[arg-type]
-    return names
 
 
 @dataclass(frozen=True, slots=True)
@@ -78,7 +48,7 @@ class RouteDecision:
 
 
 @dataclass(slots=True)
-class Choice(ByKey):
+class Choice:
     """One choice of a whole answer."""
 
     index: int
@@ -89,7 +59,7 @@ class Choice(ByKey):
 
 
 @dataclass(slots=True)
-class GenerationResult(ByKey):
+class GenerationResult:
     """A generator's whole answer (``GeneratorServer.generate``)."""
 
     model: str
@@ -107,7 +77,7 @@ EventType = Literal["start", "delta", "end"]
 
 
 @dataclass(slots=True)
-class GenerationEvent(ByKey):
+class GenerationEvent:
     """One message of a streamed answer (``GeneratorServer.stream``): a ``start``, then
     ``delta``s as text arrives, then ``end``. Fields a type does not use keep their defaults.
     """

@@ -20,6 +20,7 @@ import pytest
 
 from carpool.generation.native import ThreadedEngine
 from carpool.generation.scheduler import SchedulerLimits
+from carpool.generation.schemas import GenerationCall
 from carpool.generation.sequence import GenSequence, TokenizerInfo
 
 EMIT_S = 0.0005
@@ -118,7 +119,7 @@ def test_a_cancelled_stream_always_aborts_its_sequence(server) -> None:
     rng = random.Random(0)
 
     async def consume() -> None:
-        async for _ in server.stream({"prompts": ["hello"], "max_tokens": 50_000}):
+        async for _ in server.stream(GenerationCall(prompts=["hello"], max_tokens=50_000)):
             pass
 
     async def main() -> int:
@@ -152,7 +153,7 @@ def test_a_local_stream_closed_between_events_aborts_its_sequence(server) -> Non
     engine: TickingEngine = server.engine
     submitted = _record_submissions(engine)
     rng = random.Random(1)
-    call = {"prompts": ["hello"], "max_tokens": 50_000}
+    call = GenerationCall(prompts=["hello"], max_tokens=50_000)
 
     kept = []  # held, so no stream is closed by the garbage collector instead of cancel()
 

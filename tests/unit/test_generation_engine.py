@@ -421,7 +421,9 @@ def test_chat_uses_the_tokenizer_template(tiny):
     server = server_for(tiny)
     messages = [{"role": "user", "content": "hello there"}]
     try:
-        result = run(server.generate({"messages": messages, "max_tokens": 3, "temperature": 0}))
+        result = run(
+            server.generate(GenerationCall(messages=messages, max_tokens=3, temperature=0))
+        )
     finally:
         server.close()
     tokenizer = tiny[1]
@@ -429,12 +431,12 @@ def test_chat_uses_the_tokenizer_template(tiny):
         tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True),
         add_special_tokens=False,
     )["input_ids"]
-    assert result["prompt_tokens"] == len(expected)
+    assert result.prompt_tokens == len(expected)
 
 
 def test_n_choices_and_several_prompts_are_indexed_like_openai(tiny):
     server = server_for(tiny)
-    call = {"prompts": ["one", "two"], "n": 2, "max_tokens": 4, "seed": 5, "ignore_eos": True}
+    call = GenerationCall(prompts=["one", "two"], n=2, max_tokens=4, seed=5, ignore_eos=True)
     try:
         first = run(server.generate(call))
         second = run(server.generate(call))
@@ -442,17 +444,17 @@ def test_n_choices_and_several_prompts_are_indexed_like_openai(tiny):
         server.close()
     assert [c.index for c in first.choices] == [0, 1, 2, 3]
     assert first.choices == second.choices  # seeded
-    assert first["completion_tokens"] == 16
+    assert first.completion_tokens == 16
 
 
 @pytest.mark.parametrize(
     ("call", "status", "message"),
     [
-        ({"prompts": ["hi"], "max_tokens": 65}, 400, "at most 64 tokens per request"),
-        ({"prompts": ["word " * 200], "max_tokens": 64}, 400, "Lower max_tokens to at most"),
-        ({"prompts": ["word " * 300]}, 400, "takes at most 255 prompt tokens"),
-        ({"prompts": ["x"] * 20, "n": 4}, 400, "send at most 64"),
-        ({"prompts": []}, 400, "send a prompt or messages"),
+        (GenerationCall(prompts=["hi"], max_tokens=65), 400, "at most 64 tokens per request"),
+        (GenerationCall(prompts=["word " * 200], max_tokens=64), 400, "Lower max_tokens to"),
+        (GenerationCall(prompts=["word " * 300]), 400, "takes at most 255 prompt tokens"),
+        (GenerationCall(prompts=["x"] * 20, n=4), 400, "send at most 64"),
+        (GenerationCall(prompts=[]), 400, "send a prompt or messages"),
     ],
 )
 def test_server_refuses_bad_calls_with_what_to_change(tiny, call, status, message):
@@ -471,7 +473,7 @@ def test_closing_a_stream_early_frees_the_slot(tiny):
 
     async def read_two_then_leave() -> None:
         stream = server.stream(
-            {"prompts": [PROMPTS[0]], "max_tokens": 64, "temperature": 0, "ignore_eos": True}
+            GenerationCall(prompts=[PROMPTS[0]], max_tokens=64, temperature=0, ignore_eos=True)
         )
         seen = 0
         async for event in stream:
@@ -518,7 +520,7 @@ def test_server_refuses_only_what_would_wait_past_its_bound_or_deadline(tiny):
         limits={"max_tokens_limit": 440, "default_max_tokens": 16},
         batching={"max_num_seqs": 1, "max_step_tokens": 128, "max_queue_delay_ms": 1500},
     )
-    hold = {"prompts": [PROMPTS[0]], "max_tokens": 400, "temperature": 0, "ignore_eos": True}
+    hold = GenerationCall(prompts=[PROMPTS[0]], max_tokens=400, temperature=0, ignore_eos=True)
 
     async def until_waiting(n: int) -> None:
         # The holder must be running (not itself still waiting for the slot) before the
@@ -533,8 +535,8 @@ def test_server_refuses_only_what_would_wait_past_its_bound_or_deadline(tiny):
         assert ready()
 
     async def main() -> tuple:
-        first = await server.generate({**hold, "max_tokens": 4})
-        assert first["completion_tokens"] == 4
+        first = await server.generate(hold.model_copy(update={"max_tokens": 4}))
+        assert first.completion_tokens == 4
         server.engine.mean_slot_s = 1.0  # as if sequences held their slot 1 s each
         holder = asyncio.create_task(server.generate(hold))
         await until_waiting(0)
@@ -546,7 +548,7 @@ def test_server_refuses_only_what_would_wait_past_its_bound_or_deadline(tiny):
         # Two waiting, ~2 s: past the bound, refused at once; a tight deadline gets 504.
         refused = await asyncio.gather(
             server.generate(hold),
-            server.generate({**hold, "deadline": time.time() + 0.5}),
+            server.generate(hold.model_copy(update={"deadline": time.time() + 0.5})),
             return_exceptions=True,
         )
         for task in (holder, *queued):

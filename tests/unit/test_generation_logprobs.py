@@ -16,6 +16,7 @@ import pytest
 from carpool.generation.factory import make_engine
 from carpool.generation.sampling import SamplingParams
 from carpool.generation.scheduler import SchedulerLimits
+from carpool.generation.schemas import GenerationCall
 from carpool.generation.sequence import GenSequence, SeqEvent, TokenizerInfo
 
 PROMPTS = ["the carpool batch token", "hello", "paris is the capital of france and the city"]
@@ -107,11 +108,11 @@ def test_generator_server_returns_choice_zero_tokens_and_logprobs(tiny):
         tokenizer=tokenizer,
     )
     try:
-        call = {"prompts": [PROMPTS[0]], "max_tokens": 6, "temperature": 0.0, "ignore_eos": True}
+        call = GenerationCall(prompts=[PROMPTS[0]], max_tokens=6, temperature=0.0, ignore_eos=True)
         result = asyncio.run(server.generate(call))
     finally:
         server.close()
-    assert len(result["token_ids"]) == len(result["token_logprobs"]) == 6
-    assert result["completion_tokens"] == 6
-    expected = reference_logprobs(tiny, PROMPTS[0], result["token_ids"])
-    assert result["token_logprobs"] == pytest.approx(expected, abs=1e-4)
+    assert len(result.token_ids) == len(result.token_logprobs) == 6
+    assert result.completion_tokens == 6
+    expected = reference_logprobs(tiny, PROMPTS[0], result.token_ids)
+    assert result.token_logprobs == pytest.approx(expected, abs=1e-4)

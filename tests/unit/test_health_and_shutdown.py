@@ -16,7 +16,9 @@ import numpy as np
 import pytest
 
 from carpool.autoscaling import CAPACITY_METRIC
+from carpool.generation.hops import GenerationResult
 from carpool.generation.sampling import SamplingParams
+from carpool.generation.schemas import GenerationCall
 from carpool.generation.sequence import GenSequence
 from deployments.embedder import EmbedderConfig, EmbeddingDeployment, EmbeddingServer
 from deployments.generator import (
@@ -49,8 +51,8 @@ def generator() -> Any:
     server.close()
 
 
-def _answer(server: GeneratorServer) -> dict[str, Any]:
-    call = {"prompts": ["hello"], "max_tokens": 3, "temperature": 0.0, "ignore_eos": True}
+def _answer(server: GeneratorServer) -> GenerationResult:
+    call = GenerationCall(prompts=["hello"], max_tokens=3, temperature=0.0, ignore_eos=True)
     return asyncio.run(server.generate(call))
 
 
@@ -63,7 +65,7 @@ def _wait_until(condition: Any, timeout: float = 10.0) -> None:
 
 def test_a_working_generator_is_healthy(generator: GeneratorServer) -> None:
     generator.check_health()  # before any request: no thread yet, nothing wrong
-    assert _answer(generator)["completion_tokens"] == 3
+    assert _answer(generator).completion_tokens == 3
     generator.check_health()
     generator.engine.stall_s = 0.05
     time.sleep(0.2)

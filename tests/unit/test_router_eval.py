@@ -1,11 +1,14 @@
 """Metric math of the router evaluation (no model): tau, log-length MAE, buckets, answer
 checking, the cascade threshold sweep on synthetic outcomes, and the lanes part's engine
-choice (the generator config each engine gets), result merging and report."""
+choice (the generator config each engine gets), its run through the router on a fake
+generator, result merging and report."""
 
 from __future__ import annotations
 
+import asyncio
 import json
 import math
+from typing import Any
 
 import pytest
 
@@ -32,6 +35,8 @@ from benchmarks.router_eval import (
     server_config,
     sweep,
 )
+from carpool.generation.hops import Choice, GenerationResult
+from carpool.generation.schemas import GenerationCall
 from deployments.generator import GeneratorConfig
 
 
@@ -251,6 +256,66 @@ def test_lane_summary():
     assert s["short"] == {"n": 2, "p50_s": 2.0, "p99_s": pytest.approx(2.98)}
     assert s["long"]["n"] == 1 and s["long"]["p50_s"] == 8.0
     assert s["lane_of_short"] == {"long": 1, "short": 1}
+
+
+class _FakeGenerator:
+    """A generator that answers at once with exactly ``max_tokens`` tokens, and keeps the
+    calls it was sent (as ``GeneratorServer.generate`` takes them)."""
+
+    def __init__(self) -> None:
+        self.calls: list[GenerationCall] = []
+        self.closed = False
+
+    async def generate(self, call: GenerationCall) -> GenerationResult:
+        assert isinstance(call, GenerationCall), call
+        self.calls.append(call)
+        await asyncio.sleep(0.001)
+        tokens = call.max_tokens or 1
+        return GenerationResult("small", [Choice(0, "x " * tokens, "length")], 5, tokens)
+
+    def close(self) -> None:
+        self.closed = True
+
+
+def test_part_lanes_runs_its_trace_through_the_router_on_a_fake_generator(monkeypatch):
+    """The lanes part end to end with the model faked: warm-up, capacity probe, then the
+    same trace through a FIFO and a lanes router, each answer's decision read back."""
+    from benchmarks.router_eval import lanes
+
+    servers: list[_FakeGenerator] = []
+
+    def make_server(*args: Any, **kwargs: Any) -> _FakeGenerator:
+        servers.append(_FakeGenerator())
+        return servers[-1]
+
+    monkeypatch.setattr(lanes, "make_server", make_server)
+    result = lanes.part_lanes(count=8, load=0.5, seed=1)
+    (server,) = servers
+    assert server.closed
+    trace = _lane_trace(1.0, 8, seed=1)
+    # Warm-up, the 30-request probe, then the trace once per router.
+    assert len(server.calls) == 1 + 30 + 2 * len(trace)
+    assert server.calls[0].messages == [{"role": "user", "content": "Hi"}]
+    routed = server.calls[1:]
+    assert all(c.predicted_tokens is not None and c.temperature == 0.0 for c in routed)
+    shorts = sum(r.kind == "short" for r in trace)
+    for name, lanes_seen in (("fifo", {"fifo"}), ("lanes", {"short", "long"})):
+        run = result[name]
+        assert run["short"]["n"] == shorts and run["long"]["n"] == len(trace) - shorts
+        assert sum(run["lane_of_short"].values()) == shorts
+        assert set(run["lane_of_short"]) <= lanes_seen
+        # The fake answers every request with its max_tokens.
+        expected = sum(r.max_tokens for r in trace)
+        assert run["throughput_tok_s"] == pytest.approx(expected / run["makespan_s"])
+    assert result["capacity_req_s"] > 0 and result["rate_req_s"] == pytest.approx(
+        0.5 * result["capacity_req_s"]
+    )
+
+
+def test_the_predictor_part_reads_features_through_the_router():
+    router = router_eval._bare_router()
+    features = router_eval._features(router, "Write a story about dragons", 192)
+    assert router.predictor.predict(features) > 0
 
 
 def test_lanes_command_shows_the_interpreter_used(tmp_path):

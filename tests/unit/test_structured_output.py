@@ -484,16 +484,15 @@ def test_the_server_constrains_calls_and_refuses_bad_schemas(tiny):
     server = _server(tiny)
     try:
         constraint = OutputConstraint.json_schema(PERSON).to_dict()
-        call = {"prompts": ["hello"], "max_tokens": 200, "n": 2, "temperature": 1.0, "seed": 5}
-        result = asyncio.run(server.generate({**call, "constraint": constraint}))
-        for choice in result["choices"]:
-            assert choice["finish_reason"] == "stop"
-            jsonschema.validate(json.loads(choice["text"]), PERSON)
+        call = GenerationCall(prompts=["hello"], max_tokens=200, n=2, temperature=1.0, seed=5)
+        result = asyncio.run(server.generate(call.model_copy(update={"constraint": constraint})))
+        for choice in result.choices:
+            assert choice.finish_reason == "stop"
+            jsonschema.validate(json.loads(choice.text), PERSON)
         bad = {"kind": "json_schema", "schema": '{"type": "nope"}'}
         with pytest.raises(RequestError) as info:
-            asyncio.run(
-                server.generate({**call, "constraint": bad, "constraint_param": "response_format"})
-            )
+            wrong = {"constraint": bad, "constraint_param": "response_format"}
+            asyncio.run(server.generate(call.model_copy(update=wrong)))
         assert info.value.status_code == 400 and info.value.param == "response_format"
         assert 'Unsupported type "nope"' in info.value.message
     finally:

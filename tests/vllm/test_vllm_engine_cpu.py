@@ -17,6 +17,8 @@ from typing import Any
 import pytest
 
 from carpool.errors import RequestError
+from carpool.generation.hops import GenerationEvent, GenerationResult
+from carpool.generation.schemas import GenerationCall
 from router.choice import CascadePolicy, SmallOutcome
 from tests.vllm.loop import run
 
@@ -40,8 +42,8 @@ MAX_TOKENS = 48
 NEAR_TIE = 0.05
 
 
-def greedy_call(**kw: Any) -> dict[str, Any]:
-    return {"max_tokens": MAX_TOKENS, "temperature": 0.0, "logprobs": 2, **kw}
+def greedy_call(**kw: Any) -> GenerationCall:
+    return GenerationCall(**{"max_tokens": MAX_TOKENS, "temperature": 0.0, "logprobs": 2, **kw})
 
 
 def _first_divergence(a: list[int], b: list[int]) -> int | None:
@@ -62,23 +64,22 @@ def test_greedy_output_equals_the_continuous_engine(
         call = greedy_call(messages=CHATS[case - len(PROMPTS)])
     ours = run(own_server.generate(call))
     theirs = run(vllm_server.generate(call))
-    a, b = ours["token_ids"], theirs["token_ids"]
+    a, b = ours.token_ids, theirs.token_ids
     at = _first_divergence(a, b)
     if at is None:
-        assert ours["choices"][0]["text"] == theirs["choices"][0]["text"]
-        assert ours["choices"][0]["finish_reason"] == theirs["choices"][0]["finish_reason"]
-        assert ours["completion_tokens"] == theirs["completion_tokens"]
-        assert ours["prompt_tokens"] == theirs["prompt_tokens"]
+        assert ours.choices[0].text == theirs.choices[0].text
+        assert ours.choices[0].finish_reason == theirs.choices[0].finish_reason
+        assert ours.completion_tokens == theirs.completion_tokens
+        assert ours.prompt_tokens == theirs.prompt_tokens
         # Same tokens: the sampled-token logprobs agree up to float32 kernel noise.
         worst = max(
-            abs(x - y)
-            for x, y in zip(ours["token_logprobs"], theirs["token_logprobs"], strict=True)
+            abs(x - y) for x, y in zip(ours.token_logprobs, theirs.token_logprobs, strict=True)
         )
         assert worst < 1e-2, f"logprobs differ by up to {worst:.4f}"
         return
     # Explain the difference token by token: at the first divergent position both engines'
     # top-2 alternatives must hold the two tokens, within NEAR_TIE of each other.
-    tops = ours["choices"][0]["logprobs"]["top_logprobs"]
+    tops = ours.choices[0].logprobs["top_logprobs"]
     assert at < len(tops), f"case {case}: carpool ended at {at} tokens, vLLM went on: {b}"
     top = tops[at]
     assert len(top) >= 2, top
@@ -95,54 +96,55 @@ def test_streaming_gives_the_same_text_in_pieces(vllm_server: Any) -> None:
     call = greedy_call(prompts=[PROMPTS[3]], logprobs=None)
     whole = run(vllm_server.generate(call))
 
-    async def collect() -> list[dict[str, Any]]:
+    async def collect() -> list[GenerationEvent]:
         return [event async for event in vllm_server.stream(call)]
 
     events = run(collect())
-    assert events[0]["type"] == "start" and events[-1]["type"] == "end"
-    deltas = [e for e in events if e["type"] == "delta"]
+    assert events[0].type == "start" and events[-1].type == "end"
+    deltas = [e for e in events if e.type == "delta"]
     assert len(deltas) > 5, "a stream must arrive token by token, not at the end"
-    assert "".join(d["text"] for d in deltas) == whole["choices"][0]["text"]
-    assert deltas[-1]["finish_reason"] == whole["choices"][0]["finish_reason"]
-    assert events[-1]["completion_tokens"] == whole["completion_tokens"]
+    assert "".join(d.text for d in deltas) == whole.choices[0].text
+    assert deltas[-1].finish_reason == whole.choices[0].finish_reason
+    assert events[-1].completion_tokens == whole.completion_tokens
 
 
 def test_stop_string_and_usage(vllm_server: Any, own_server: Any) -> None:
-    free = run(vllm_server.generate(greedy_call(prompts=[PROMPTS[2]])))["choices"][0]["text"]
+    free = run(vllm_server.generate(greedy_call(prompts=[PROMPTS[2]]))).choices[0].text
     words = free.split()
     assert len(words) > 3, free
     stop = words[2]
     call = greedy_call(prompts=[PROMPTS[2]], stop=[stop])
     theirs = run(vllm_server.generate(call))
     ours = run(own_server.generate(call))
-    assert theirs["choices"][0]["finish_reason"] == "stop"
-    assert stop not in theirs["choices"][0]["text"]
-    assert theirs["choices"][0]["text"] == free[: free.index(stop)]
-    assert theirs["choices"][0]["text"] == ours["choices"][0]["text"]
-    assert 0 < theirs["completion_tokens"] < MAX_TOKENS
+    assert theirs.choices[0].finish_reason == "stop"
+    assert stop not in theirs.choices[0].text
+    assert theirs.choices[0].text == free[: free.index(stop)]
+    assert theirs.choices[0].text == ours.choices[0].text
+    assert 0 < theirs.completion_tokens < MAX_TOKENS
 
 
 def test_length_finish_and_ignore_eos(vllm_server: Any) -> None:
-    out = run(vllm_server.generate({"prompts": ["Hi"], "max_tokens": 7, "ignore_eos": True}))
-    assert out["completion_tokens"] == 7
-    assert out["choices"][0]["finish_reason"] == "length"
+    out = run(vllm_server.generate(GenerationCall(prompts=["Hi"], max_tokens=7, ignore_eos=True)))
+    assert out.completion_tokens == 7
+    assert out.choices[0].finish_reason == "length"
 
 
 def test_seeds_repeat_and_differ(vllm_server: Any) -> None:
     def sample(seed: int) -> str:
-        call = {"prompts": [PROMPTS[3]], "max_tokens": 24, "temperature": 1.0, "seed": seed}
-        return run(vllm_server.generate(call))["choices"][0]["text"]
+        call = GenerationCall(prompts=[PROMPTS[3]], max_tokens=24, temperature=1.0, seed=seed)
+        return run(vllm_server.generate(call)).choices[0].text
 
     assert sample(11) == sample(11)
     assert len({sample(11), sample(12), sample(13)}) > 1
 
 
 def test_logprobs_are_usable_by_the_cascade(vllm_server: Any) -> None:
-    out = run(vllm_server.generate({"prompts": [PROMPTS[0]], "max_tokens": 16, "temperature": 0}))
-    ids, lps = out["token_ids"], out["token_logprobs"]
-    assert len(ids) == len(lps) == out["completion_tokens"] > 0
+    call = GenerationCall(prompts=[PROMPTS[0]], max_tokens=16, temperature=0)
+    out = run(vllm_server.generate(call))
+    ids, lps = out.token_ids, out.token_logprobs
+    assert len(ids) == len(lps) == out.completion_tokens > 0
     assert all(math.isfinite(x) and x <= 1e-6 for x in lps)
-    outcome = SmallOutcome(ids, lps, out["choices"][0]["finish_reason"])
+    outcome = SmallOutcome(ids, lps, out.choices[0].finish_reason)
     mean = sum(lps) / len(lps)
     # The cascade escalates on vLLM's logprobs exactly by its threshold rule.
     strict = CascadePolicy(min_mean_logprob=mean + 0.01, escalate_on_length=False)
@@ -154,8 +156,8 @@ def test_logprobs_are_usable_by_the_cascade(vllm_server: Any) -> None:
 
 def test_top_logprobs_hold_the_sampled_token(vllm_server: Any) -> None:
     out = run(vllm_server.generate(greedy_call(prompts=[PROMPTS[1]], logprobs=3)))
-    record = out["choices"][0]["logprobs"]
-    assert len(record["tokens"]) == out["completion_tokens"]
+    record = out.choices[0].logprobs
+    assert len(record["tokens"]) == out.completion_tokens
     for lp, top in zip(record["token_logprobs"], record["top_logprobs"], strict=True):
         assert len(top) == 3
         assert top[0][1] >= top[1][1] >= top[2][1]
@@ -167,14 +169,14 @@ def _unfinished(server: Any) -> int:
 
 
 def test_cancel_aborts_in_vllm_at_once(vllm_server: Any) -> None:
-    call = {"prompts": [PROMPTS[3]], "max_tokens": 1500, "ignore_eos": True, "temperature": 0}
+    call = GenerationCall(prompts=[PROMPTS[3]], max_tokens=1500, ignore_eos=True, temperature=0)
     before = vllm_server.engine.totals.get("finished_cancelled", 0)
 
     async def read_then_leave() -> float:
         stream = vllm_server.stream(call)
         deltas = 0
         async for event in stream:
-            deltas += event["type"] == "delta"
+            deltas += event.type == "delta"
             if deltas == 3:
                 break
         assert _unfinished(vllm_server) == 1
@@ -193,12 +195,9 @@ def test_cancel_aborts_in_vllm_at_once(vllm_server: Any) -> None:
 
 
 def test_deadline_stops_the_request_in_vllm(vllm_server: Any) -> None:
-    call = {
-        "prompts": [PROMPTS[0]],
-        "max_tokens": 1500,
-        "ignore_eos": True,
-        "deadline": time.time() + 1.0,
-    }
+    call = GenerationCall(
+        prompts=[PROMPTS[0]], max_tokens=1500, ignore_eos=True, deadline=time.time() + 1.0
+    )
     started = time.monotonic()
     with pytest.raises(RequestError) as err:
         run(vllm_server.generate(call))
@@ -209,15 +208,15 @@ def test_deadline_stops_the_request_in_vllm(vllm_server: Any) -> None:
 
 
 def test_concurrent_requests_batch_and_all_finish(vllm_server: Any) -> None:
-    async def many() -> list[dict[str, Any]]:
+    async def many() -> list[GenerationResult]:
         calls = [
-            {"prompts": [p], "max_tokens": 20 + 5 * i, "ignore_eos": True, "temperature": 0}
+            GenerationCall(prompts=[p], max_tokens=20 + 5 * i, ignore_eos=True, temperature=0)
             for i, p in enumerate(PROMPTS * 2)
         ]
         return await asyncio.gather(*(vllm_server.generate(c) for c in calls))
 
     outs = run(many())
-    assert [o["completion_tokens"] for o in outs] == [20 + 5 * i for i in range(10)]
+    assert [o.completion_tokens for o in outs] == [20 + 5 * i for i in range(10)]
     stats = vllm_server.engine.stats()
     assert stats["max_running"] > 1, "vLLM never ran two sequences together"
     assert stats["kv_blocks_total"] > 0 and stats["vllm_iterations"] > 0
@@ -228,11 +227,11 @@ def test_max_waiting_admission_refuses(vllm_server: Any) -> None:
     try:
         vllm_server.reconfigure({**saved, "max_waiting": 0})
         with pytest.raises(RequestError) as err:
-            run(vllm_server.generate({"prompts": ["Hi"], "max_tokens": 2}))
+            run(vllm_server.generate(GenerationCall(prompts=["Hi"], max_tokens=2)))
         assert err.value.status_code == 503
     finally:
         vllm_server.reconfigure(saved)
-    assert run(vllm_server.generate({"prompts": ["Hi"], "max_tokens": 2}))["completion_tokens"]
+    assert run(vllm_server.generate(GenerationCall(prompts=["Hi"], max_tokens=2))).completion_tokens
 
 
 def test_engine_stats_feed_the_metrics_listener(vllm_server: Any) -> None:
@@ -253,7 +252,8 @@ def test_engine_stats_feed_the_metrics_listener(vllm_server: Any) -> None:
     attached = time.monotonic()
     vllm_server.engine.listeners.append(recorder)
     try:
-        run(vllm_server.generate({"prompts": [PROMPTS[1]], "max_tokens": 12, "ignore_eos": True}))
+        call = GenerationCall(prompts=[PROMPTS[1]], max_tokens=12, ignore_eos=True)
+        run(vllm_server.generate(call))
         time.sleep(0.3)
     finally:
         vllm_server.engine.listeners.remove(recorder)
@@ -344,7 +344,7 @@ def test_response_format_is_enforced_inside_vllm(
 
     import jsonschema
 
-    from carpool.generation.schemas import ChatCompletionRequest, GenerationCall
+    from carpool.generation.schemas import ChatCompletionRequest
 
     body = ChatCompletionRequest.model_validate(
         {
@@ -357,17 +357,17 @@ def test_response_format_is_enforced_inside_vllm(
         }
     )
     result = run(vllm_server.generate(GenerationCall.from_chat(body)))
-    for choice in result["choices"]:
+    for choice in result.choices:
         if response_format["type"] == "json_schema":
             # Bounded schema: it must close, and validate.
-            assert choice["finish_reason"] == "stop", choice
-            jsonschema.validate(json.loads(choice["text"]), PERSON)
-        elif choice["finish_reason"] == "stop":
-            assert isinstance(json.loads(choice["text"]), dict), choice
+            assert choice.finish_reason == "stop", choice
+            jsonschema.validate(json.loads(choice.text), PERSON)
+        elif choice.finish_reason == "stop":
+            assert isinstance(json.loads(choice.text), dict), choice
         else:
             # Any object may be longer than max_tokens (greedy SmolLM2 writes a long one):
             # what came must still be an object's start, never prose.
-            assert choice["finish_reason"] == "length" and choice["text"].startswith("{"), choice
+            assert choice.finish_reason == "length" and choice.text.startswith("{"), choice
 
 
 def test_the_model_computes_in_the_engine_core_with_no_worker_process(vllm_server: Any) -> None:
