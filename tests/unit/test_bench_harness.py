@@ -508,6 +508,16 @@ def test_goodput_divides_by_the_capacity_measured_in_its_own_round() -> None:
     assert headline(_paired_results())["figures"]["goodput_3x"]["median"] == pytest.approx(0.5)
 
 
+def test_the_200_client_goodput_row_exists_only_where_the_run_had_200_clients() -> None:
+    from benchmarks.suite_figures import headline
+
+    results = _paired_results()
+    assert "goodput_closed_200" not in headline(results)["figures"]
+    results["goodput"]["carpool"]["closed_200"] = _windows([30, 36, 44])
+    f = headline(results)["figures"]["goodput_closed_200"]
+    assert f["rounds"] == pytest.approx([0.75, 1.0, 1.0]) and f["met"]  # median 1.0 >= 0.9
+
+
 def test_slowdown_ratio_is_undefined_when_no_system_held_the_bound() -> None:
     from benchmarks.suite_figures import headline
 
