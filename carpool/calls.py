@@ -39,12 +39,15 @@ import asyncio
 import logging
 import time
 from collections.abc import Awaitable, Callable
-from typing import Any, TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar
 
 from carpool.admission import PRIORITIES, Priority, current_controls, deadline_exceeded
 from carpool.errors import RequestError, find_request_error
 from carpool.priority import recheck_proxy_priority
 from carpool.topology import live_replicas
+
+if TYPE_CHECKING:
+    from carpool.generation.schemas import GenerationCall
 
 logger = logging.getLogger(__name__)
 
@@ -66,7 +69,7 @@ async def await_or_cancel(call: Awaitable[T]) -> T:
         raise
 
 
-async def open_stream(handle: Any, call: dict[str, Any]) -> tuple[Any, Any]:
+async def open_stream(handle: Any, call: GenerationCall) -> tuple[Any, Any]:
     """Starts a streamed call on a generator handle and awaits its first event.
 
     The first event comes after the replica validated and admitted the request, so a refusal
