@@ -93,9 +93,15 @@ class LiveReplicas:
         if self._clock() - self._fetched_at < max_age_s:
             return False
         with self._lock:
-            if self._refreshing:  # the background poll is fetching: use what it finds
-                return False
+            busy = self._refreshing
             self._refreshing = True
+        if busy:  # the background poll is fetching: wait (up to 2 s) for what it finds
+            before = self._fetched_at
+            for _ in range(100):
+                await asyncio.sleep(0.02)
+                if not self._refreshing:
+                    break
+            return self._fetched_at != before
         await asyncio.get_running_loop().run_in_executor(None, self._refresh)
         return True
 

@@ -149,6 +149,35 @@ def test_a_replica_started_since_the_last_poll_is_tried_before_giving_up() -> No
     assert tries == ["a", "a"] and len(fetches) == 2
 
 
+def test_a_recount_during_the_background_poll_waits_for_what_it_finds() -> None:
+    """A refusal that lands while the poll's own fetch is in flight must not give up on the
+    old count: it waits for the fetch and retries on what it found."""
+    import threading
+
+    counts = {"generate/small": 1}
+    release = threading.Event()
+    clock = [10.0]
+
+    def fetch() -> Any:
+        release.wait(5)
+        return {k: DeploymentView(running=v, max_ongoing_requests=2) for k, v in counts.items()}
+
+    live = LiveReplicas(fetch, interval_s=3.0, clock=lambda: clock[0])
+    release.set()
+    live.refresh_now()
+    release.clear()
+    counts["generate/small"] = 2
+    clock[0] += 5.0  # the poll is due: the next count starts a background fetch
+
+    async def scenario() -> bool:
+        assert live.count("generate/small") == 1  # stale; the fetch is now in flight
+        asyncio.get_running_loop().call_later(0.1, release.set)
+        found = await live.recount()
+        return found and live.count("generate/small") == 2
+
+    assert asyncio.run(scenario())
+
+
 def test_a_retry_sent_back_to_the_replica_that_refused_goes_on_to_the_other() -> None:
     """Serve picks each try's replica from cached queue lengths, so a retry can reach the
     replica that just refused; the call goes on until every live replica refused it."""
