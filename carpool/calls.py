@@ -20,8 +20,9 @@ is full":
 - ``RefusalMemory`` answers locally (no hop, no model CPU) only while every live replica of the
   refusing deployment has refused moments ago; one full replica among several never blacks
   out the stage.
-- ``call_refusable`` retries a refused call while the memory says some live replica has not
-  refused, until every live replica refused it (or ``max_tries``). Serve's router sends each
+- ``call_refusable`` retries a refused call until every live replica refused it (or
+  ``max_tries``; when the memory already says every replica refused moments ago, no more tries
+  than there are replicas): a replica that refused another request a moment ago may have room. Serve's router sends each
   try to the less loaded of two replicas by its cached queue lengths, so a retry usually
   lands on one with room, and sometimes on the one that just refused.
 - A refusal by count (a generator's waiting line at its bound) says how long its replica
