@@ -62,11 +62,13 @@ def _comm(pid: int) -> str:
         return ""
 
 
-def _generate() -> dict[str, Any]:
+def _generate() -> Any:
     from ray import serve
 
+    from carpool.generation.schemas import GenerationCall
+
     handle = serve.get_deployment_handle("small", app_name=APP)
-    call = {"prompts": ["The capital of France is"], "max_tokens": 4, "temperature": 0}
+    call = GenerationCall(prompts=["The capital of France is"], max_tokens=4, temperature=0)
     return handle.generate.remote(call).result(timeout_s=120)
 
 
@@ -86,7 +88,7 @@ def app(serve_http: str, smollm2: str) -> Any:
 
 
 def test_sigkill_of_the_replica_ends_its_engine_core_and_serve_replaces_it(app: str) -> None:
-    assert _generate()["completion_tokens"], "the replica did not generate before the kill"
+    assert _generate().completion_tokens, "the replica did not generate before the kill"
     (replica,) = _replica_pids()
     cores = _engine_cores(replica)
     assert cores, f"no VLLM::EngineCore under replica {replica}: vLLM's layout changed"
@@ -110,7 +112,7 @@ def test_sigkill_of_the_replica_ends_its_engine_core_and_serve_replaces_it(app: 
             except Exception:  # still starting: the handle routes to no ready replica yet
                 time.sleep(2)
                 continue
-            assert result["completion_tokens"]
+            assert result.completion_tokens
             assert _engine_cores(pids[0]), "the replacement runs no engine core"
             return
         time.sleep(1)
