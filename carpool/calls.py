@@ -22,7 +22,8 @@ is full":
   out the stage.
 - ``call_refusable`` retries a refused call until every live replica refused it (or
   ``max_tries``; when the memory already says every replica refused moments ago, no more tries
-  than there are replicas): a replica that refused another request a moment ago may have room. Serve's router sends each
+  than there are replicas): a replica that refused another request a moment ago may have
+  room. Serve's router sends each
   try to the less loaded of two replicas by its cached queue lengths, so a retry usually
   lands on one with room, and sometimes on the one that just refused.
 - A refusal by count (a generator's waiting line at its bound) says how long its replica
@@ -229,15 +230,20 @@ async def call_refusable(
             # Every replica refused moments ago (the memory), yet one that refused another
             # request 100 ms ago may have room now: this call still tries each live replica
             # once, but no more than that (Serve may route a retry back to a refuser).
-            if not memory.has_room(found.deployment, priority, live) and tries > max(
-                live(found.deployment or WHOLE_STAGE) or 1, 1
+            if not memory.has_room(found.deployment, priority, live) and tries > _replicas(
+                found, live
             ):
                 raise
 
 
+def _replicas(refusal: RequestError, live: LiveCount) -> int:
+    """Live replicas of the refusing deployment (one while unknown)."""
+    return max(live(refusal.deployment or WHOLE_STAGE) or 1, 1)
+
+
 def _out_of_room(refusal: RequestError, live: LiveCount, refused_this_call: set[str]) -> bool:
     """Every live replica of the refusing deployment refused this call."""
-    return len(refused_this_call) >= max(live(refusal.deployment or WHOLE_STAGE) or 1, 1)
+    return len(refused_this_call) >= _replicas(refusal, live)
 
 
 def _replica_lost(exc: BaseException) -> bool:

@@ -94,7 +94,8 @@ class LiveReplicas:
             return False
         with self._lock:
             busy = self._refreshing
-            self._refreshing = True
+            if not busy:
+                self._refreshing = True
         if busy:  # the background poll is fetching: wait (up to 2 s) for what it finds
             before = self._fetched_at
             for _ in range(100):
