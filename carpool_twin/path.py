@@ -12,15 +12,19 @@ component's ceiling is then arithmetic::
 
 with the cores from the serve config and the cluster's shape (``Layout``): HAProxy's threads
 on every node, one core per ingress replica (a Python process runs one thread at a time
-under the GIL; the router runs inside generate's), and the head node's cores for all that
-serve-gpu.yaml pins there. ``carpool_twin.project`` and the planner's ``bottlenecks`` compare
-a mix with them; ``ServingPath.overheads`` makes them the whole-cluster twin's path stages
-(the head's shared cores are a bound there, not a stage). This module reads the benchmark's JSON
-file; it never imports the benchmarks package.
+under the GIL; the router runs inside generate's), and the head node's cores for what may
+land there. serve-gpu.yaml's ingresses take ``carpool_ingress``, one unit a replica, which the
+head and cluster.yaml's CPU-only ``ingress_cpu`` workers offer: the ingress tier grows by
+nodes, and ``ServingPath.size_ingress`` sizes it for a load (replicas per ingress deployment,
+then the nodes they need), as the planner sizes model replicas. ``carpool_twin.project`` and
+the planner's ``bottlenecks`` compare a mix with the ceilings; ``ServingPath.overheads`` makes
+them the whole-cluster twin's path stages (the head's shared cores are a bound there, not a
+stage). This module reads the benchmark's JSON file; it never imports the benchmarks package.
 """
 
 from __future__ import annotations
 
+import copy
 import json
 import math
 import statistics
@@ -48,9 +52,20 @@ SYSTEMS: dict[str, tuple[tuple[str, ...], str]] = {
 # Serve's proxy is one Python process, so one core.
 HTTP_THREADS = {"haproxy": 4, "python-proxy": 1}
 HTTP_NAME = {"haproxy": "HTTP (HAProxy)", "python-proxy": "HTTP (Serve proxy)"}
-# cluster.yaml's head (m6i.2xlarge, CPU: 8): serve-gpu.yaml pins the ingresses there (the
-# router runs inside generate's).
+# cluster.yaml's head (m6i.2xlarge, CPU: 8): its HAProxy, and the ingress replicas Ray places
+# there (the router runs inside generate's).
 HEAD_CORES = 8.0
+# The ingress tier (cluster.yaml): the custom resource serve-gpu.yaml's ingresses ask for, one
+# unit per replica (one Python process uses at most a core), and the units each node type
+# offers, one per core: the head's 8 and each `ingress_cpu` worker's 8 (m6i.2xlarge, no GPU).
+# tests/unit/test_twin_path.py checks these against cluster.yaml and serve-gpu.yaml.
+INGRESS_RESOURCE = "carpool_ingress"
+HEAD_INGRESS_UNITS = 8
+INGRESS_NODE_UNITS = 8
+INGRESS_NODE_TYPE = "ingress_cpu"
+# size_ingress keeps each ingress replica at most this busy at the load it is sized for: one
+# process near a full core queues requests behind its GIL, and the CPU-ms are a 2-core VM's.
+INGRESS_TARGET = 0.8
 # The deployment taking a kind's HTTP in its app, and the args flag under which the kind's
 # model replicas take it themselves (no ingress process). The names are pipelines' own
 # (EMBED_INGRESS, ...; pipelines import Ray, the twin does not): tests/unit/test_twin_path.py
@@ -256,13 +271,61 @@ def auto_rate(traffic: Traffic) -> float:
     return traffic.rates().get("generate", 0.0)
 
 
+def tier_units(config: Mapping[str, Any]) -> int | None:
+    """The ``carpool_ingress`` units the config's ingress replicas take (None: no ingress asks
+    for it, so every ingress stays on the head, as a ``carpool_head_node`` pin keeps it).
+    Apps serving no kind of the mix (search, rag, openai) list no ingress deployment: one
+    replica each, Serve's default."""
+    units, tiered = 0, False
+    for app in config.get("applications") or []:
+        args = app.get("args") or {}
+        want = ((args.get("ingress") or {}).get("resources") or {}).get(INGRESS_RESOURCE)
+        if not want:
+            continue
+        tiered = True
+        served = ingress_deployments({"applications": [app]})
+        names = {name for name, _ in served.values()} & set(INGRESS.values())
+        entries = {d.get("name"): d for d in app.get("deployments") or []}
+        replicas = sum(_replicas(entries.get(n) or {}) for n in names) if names else 1
+        units += math.ceil(replicas * float(want))
+    return units if tiered else None
+
+
+def ingress_nodes(units: int | None, head_units: int = HEAD_INGRESS_UNITS) -> int:
+    """``ingress_cpu`` workers Ray's autoscaler starts for ``units``: what the head cannot hold."""
+    if not units:
+        return 0
+    return max(0, math.ceil((units - head_units) / INGRESS_NODE_UNITS))
+
+
+def with_replicas(config: Mapping[str, Any], replicas: Mapping[str, int]) -> dict[str, Any]:
+    """The config with these deployments at fixed ``num_replicas`` (autoscaling dropped);
+    a deployment the app does not list gets an entry."""
+    doc = copy.deepcopy(dict(config))
+    for app in doc.get("applications") or []:
+        served = {name for name, _ in ingress_deployments({"applications": [app]}).values()}
+        entries = app.setdefault("deployments", [])
+        for name in sorted(served & set(replicas)):
+            entry = next((d for d in entries if d.get("name") == name), None)
+            if entry is None:
+                entry = {"name": name}
+                entries.append(entry)
+            entry.pop("autoscaling_config", None)
+            entry["num_replicas"] = int(replicas[name])
+    return doc
+
+
 @dataclass(frozen=True)
 class Layout:
     """Where the path's processes run, from the serve config and the cluster's shape."""
 
-    nodes: int  # nodes with an HTTP process: the GPU nodes and the head (EveryNode)
+    nodes: int  # nodes with an HTTP process: GPU nodes, the head, ingress nodes (EveryNode)
     ingress: dict[str, tuple[str, int]]  # kind -> (deployment taking its HTTP, replicas)
     router: tuple[str, int] | None  # the deployment hosting the router, its replicas
+    # carpool_ingress units the ingress replicas take (None: all on the head), and the
+    # ingress_cpu workers they need beyond the head's units.
+    units: int | None = None
+    ingress_nodes: int = 0
 
 
 @dataclass(frozen=True)
@@ -331,8 +394,35 @@ class ServingPath:
 
     def layout(self, config: Mapping[str, Any], gpus: float, gpus_per_node: int) -> Layout:
         head_only = config.get("proxy_location") == "HeadOnly"
-        nodes = 1 if head_only else max(1, math.ceil(gpus / gpus_per_node)) + 1
-        return Layout(nodes, ingress_deployments(config), router_host(config))
+        units = tier_units(config)
+        extra = ingress_nodes(units)
+        nodes = 1 if head_only else max(1, math.ceil(gpus / gpus_per_node)) + 1 + extra
+        return Layout(nodes, ingress_deployments(config), router_host(config), units, extra)
+
+    def deployment_cpu(self, config: Mapping[str, Any], traffic: Traffic) -> dict[str, float]:
+        """CPU-ms per second each separate ingress deployment spends on ``traffic`` (the
+        router's share in its host's); model replicas taking HTTP themselves are not here."""
+        rates, auto = traffic.rates(), auto_rate(traffic)
+        host = router_host(config)
+        out: dict[str, float] = {}
+        for name, _, kinds in _grouped(ingress_deployments(config)):
+            if name not in INGRESS.values():
+                continue
+            cpu = sum(rates.get(k, 0.0) * self.ms["ingress"][k] for k in kinds)
+            if host and name == host[0]:
+                cpu += auto * self.ms["router"]["generate"]
+            out[name] = cpu
+        return out
+
+    def size_ingress(
+        self, config: Mapping[str, Any], traffic: Traffic, target: float = INGRESS_TARGET
+    ) -> dict[str, int]:
+        """Replicas per ingress deployment that keep each at most ``target`` of a core busy
+        at ``traffic``, from the measured CPU-ms per request (at least one each)."""
+        return {
+            name: max(1, math.ceil(cpu / (1000.0 * target) - 1e-9))
+            for name, cpu in self.deployment_cpu(config, traffic).items()
+        }
 
     def bounds(
         self, config: Mapping[str, Any], traffic: Traffic, gpus: float, gpus_per_node: int = 8
@@ -358,16 +448,17 @@ class ServingPath:
                 parts.append((auto, router))
             out.append(_bound("ingress", f"ingress {name}", replicas, parts, rate))
         if self.head_cores:
-            # Every ingress (not model replicas serving HTTP) and router replica, and the
-            # head's HTTP process's share of the requests: all on the head's cores.
+            # The head's HTTP process's share of the requests, and the ingress replicas Ray
+            # may place there: all of them without an ingress tier, else the head's units'
+            # worth, the busiest first (Ray picks the node, so the worst case).
             parts = [(r, http[k] / lay.nodes) for k, r in rates.items()]
-            parts += [
-                (rates.get(k, 0.0), ingress[k])
-                for k, (n, _) in lay.ingress.items()
-                if n == INGRESS[k]
-            ]
-            if host == INGRESS["generate"]:  # on the head with its ingress
-                parts.append((auto, router))
+            each: list[float] = []
+            for name, cpu in self.deployment_cpu(config, traffic).items():
+                replicas = next(n for d, n, _ in _grouped(lay.ingress) if d == name)
+                each += [cpu / replicas] * replicas
+            each.sort(reverse=True)
+            held = each if lay.units is None else each[:HEAD_INGRESS_UNITS]
+            parts += [(1.0, cpu) for cpu in held]
             # Counted in the mix's requests, each with its share of all the head does.
             total = sum(rates.values())
             out.append(_bound("head", "head node CPU", self.head_cores, parts, total))

@@ -377,12 +377,17 @@ def bottlenecks(
     """Load on what every request shares (1.0: fully busy), against ceilings from measured
     CPU per request (``ServingPath.bounds``): cores x 1000 / CPU-ms per request."""
     bounds = path.bounds(config, traffic, gpus, gpus_per_node)
+    lay = path.layout(config, gpus, gpus_per_node)
     by = {b.component: b for b in bounds}
     return {
         "requests_per_s": round(sum(traffic.rates().values()), 1),
         "ingress_mode": path.mode,
         "path_profile": path.source,
-        "proxies": path.layout(config, gpus, gpus_per_node).nodes,  # nodes with an HTTP process
+        "proxies": lay.nodes,  # nodes with an HTTP process
+        # carpool_ingress units the ingresses take (None: all on the head), and the
+        # ingress_cpu nodes they need beyond the head's.
+        "ingress_units": lay.units,
+        "ingress_nodes": lay.ingress_nodes,
         "proxy_load": round(by["http"].load, 3) if "http" in by else 0.0,
         "ingress_load": {b.name: round(b.load, 3) for b in bounds if b.component == "ingress"},
         "router_load": round(by["router"].load, 3) if "router" in by else 0.0,

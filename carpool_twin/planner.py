@@ -17,7 +17,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from carpool_twin.path import MODES, ServingPath
+from carpool_twin.path import MODES, ServingPath, with_replicas
 from carpool_twin.plan import Planner, Slo, apply_overlay, bottlenecks, overlay_of
 from carpool_twin.profile import load_profile
 from carpool_twin.traffic import parse_traffic
@@ -82,7 +82,12 @@ def main(argv: list[str] | None = None) -> int:
     else:
         plan = planner.plan(traffic)
     rows = [c.row(args.price_gpu_hour, args.price_cpu_hour) for c in plan.values()]
-    overlay = overlay_of(plan)
+    path = ServingPath.load(args.path_profile, args.ingress)
+    # The ingress replicas for this load, from the path's measured CPU per request: the
+    # planned config runs them (past the head's carpool_ingress, on ingress_cpu nodes).
+    ingress = path.size_ingress(planner.config, traffic)
+    config = with_replicas(planner.config, ingress)
+    overlay = {**overlay_of(plan), **{n: {"num_replicas": r} for n, r in ingress.items()}}
     gpus = sum(c.gpus for c in plan.values())
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -90,7 +95,7 @@ def main(argv: list[str] | None = None) -> int:
 
     (out / "overlay.yaml").write_text(yaml.safe_dump(overlay, sort_keys=False))
     (out / "serve.planned.yaml").write_text(
-        yaml.safe_dump(apply_overlay(planner.config, overlay), sort_keys=False)
+        yaml.safe_dump(apply_overlay(config, overlay), sort_keys=False)
     )
     doc = {
         "command": " ".join(
@@ -101,9 +106,7 @@ def main(argv: list[str] | None = None) -> int:
         "slo": vars(planner.slo),
         "rows": rows,
         "overlay": overlay,
-        "bottlenecks": bottlenecks(
-            traffic, gpus, planner.config, ServingPath.load(args.path_profile, args.ingress)
-        ),
+        "bottlenecks": bottlenecks(traffic, gpus, config, path),
     }
     (out / "plan.json").write_text(json.dumps(doc, indent=1) + "\n")
     text = table(rows, args.price_gpu_hour, args.price_cpu_hour)

@@ -23,7 +23,14 @@ import sys
 from collections.abc import Mapping
 from typing import Any
 
-from carpool_twin.path import HEAD_CORES, MODES, ServingPath
+from carpool_twin.path import (
+    HEAD_CORES,
+    HEAD_INGRESS_UNITS,
+    MODES,
+    ServingPath,
+    tier_units,
+    with_replicas,
+)
 from carpool_twin.plan import Choice, Planner, Slo, overlay_of
 from carpool_twin.profile import load_profile
 from carpool_twin.sim import Overheads
@@ -41,21 +48,38 @@ def project(
     full_search: bool = False,
 ) -> dict[str, Any]:
     rates = traffic.rates()
-    path_bounds = path.bounds(planner.config, traffic, gpus, gpus_per_node)
-    shared = {b.name: b.scale for b in path_bounds}
+    config = planner.config
+    tiered = tier_units(config) is not None
+    # With an ingress tier the ingress replicas are sized for the load (size_ingress) and
+    # their nodes follow, so only what does not grow with them caps the models' search:
+    # each node's HTTP process (counting no ingress node: a floor) and the head.
+    path_bounds = path.bounds(config, traffic, gpus, gpus_per_node)
+    fixed = [b for b in path_bounds if not tiered or b.component == "http"]
+    shared = {b.name: b.scale for b in fixed}
     # The models' bound is searched only up to the lowest shared bound: past it the shared
     # one binds whatever the GPUs could do, and the search there is what never finished.
     cap = min(shared.values(), default=None)
     gpu_scale, plan = planner.fit_gpus(traffic, gpus, cap=None if full_search else cap)
     capped = cap is not None and not full_search and gpu_scale >= cap
+    scale = min(gpu_scale, cap) if cap is not None else gpu_scale
+    if tiered:
+        # The path sized for that load, and every bound of it (the head's included).
+        config = with_replicas(config, path.size_ingress(config, traffic.scaled(scale)))
+        path_bounds = path.bounds(config, traffic, gpus, gpus_per_node)
+        shared = {b.name: b.scale for b in path_bounds}
     bounds = {"GPUs (models)": gpu_scale, **shared}
     bottleneck = min(shared, key=shared.__getitem__) if capped else min(bounds, key=bounds.get)
+    if tiered and bounds[bottleneck] < scale:  # the sized path binds below: resize there
+        config = with_replicas(
+            config, path.size_ingress(config, traffic.scaled(bounds[bottleneck]))
+        )
     scale = bounds[bottleneck]
     if bottleneck != "GPUs (models)":
         plan = planner.plan(traffic.scaled(scale))  # fewer GPUs suffice at the lower rate
     busiest = _busiest(plan)
-    overheads = path.overheads(planner.config, gpus, gpus_per_node)
+    overheads = path.overheads(config, gpus, gpus_per_node)
     result = whole_cluster(planner, plan, traffic.scaled(scale), overheads, duration_s)
+    layout = path.layout(config, gpus, gpus_per_node)
     return {
         "gpus": gpus,
         "scale": round(scale, 3),
@@ -69,7 +93,16 @@ def project(
         "replicas": {r: n for c in plan.values() for r, n in c.replicas.items()},
         "overlay": overlay_of(plan),
         "ingress_mode": path.mode,
-        "proxies": path.layout(planner.config, gpus, gpus_per_node).nodes,
+        "proxies": layout.nodes,
+        # The ingress tier sized for this load: replicas per ingress deployment (one core
+        # each, at most INGRESS_TARGET busy), the carpool_ingress units of every ingress, and
+        # the ingress_cpu nodes beyond the head's units.
+        "ingress_tier": {
+            "replicas": {n: r for _, (n, r) in sorted(layout.ingress.items())},
+            "units": layout.units,
+            "head_units": HEAD_INGRESS_UNITS,
+            "ingress_nodes": layout.ingress_nodes,
+        },
         # Each path bound's arithmetic: cores x 1000 / CPU-ms per request = requests/s.
         "path": {
             b.name: {
@@ -137,6 +170,10 @@ def markdown(rows: list[dict[str, Any]]) -> str:
     for row in rows:
         rates = " / ".join(f"{v:,.0f}" for v in row["rates"].values())
         reps = ", ".join(f"{k} {v}" for k, v in row["replicas"].items())
+        tier = row.get("ingress_tier") or {}
+        if tier.get("units") is not None:
+            reps += "; " + ", ".join(f"{k} {v}" for k, v in tier["replicas"].items())
+            reps += f" ({tier['units']} carpool_ingress: {tier['ingress_nodes']} ingress nodes)"
         good = "; ".join(f"{k} {v['goodput']:,} {v['unit']}" for k, v in row["per_kind"].items())
         p99 = "; ".join(
             f"{k} {v['p99_ms']:,}" + (f" (TTFT {v['ttft_p99_ms']:,})" if v["ttft_p99_ms"] else "")

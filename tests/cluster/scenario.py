@@ -190,7 +190,10 @@ def main() -> int:
     for app in config["applications"]:
         args = app["args"]
         ingress = (args.get("ingress") or {}).get("resources") or {}
-        wanted[f"ServeReplica:{app['name']}:"] = "head" if "carpool_head_node" in ingress else ""
+        # carpool_ingress: the head and ingress_cpu nodes offer it; this tier starts no
+        # ingress node, so the head (the tier's 8 ingress replicas fit its 8 units).
+        on_cpu = {"carpool_head_node", "carpool_ingress"} & set(ingress)
+        wanted[f"ServeReplica:{app['name']}:"] = "head" if on_cpu else ""
         for role in ("embedder", "ranker", "small", "large"):
             if isinstance(args.get(role), dict):
                 res = (args[role].get("replica") or {}).get("resources") or {}

@@ -19,7 +19,10 @@ from carpool_twin.path import (
     ServingPath,
     extract_path,
     ingress_deployments,
+    ingress_nodes,
     load_path_profile,
+    tier_units,
+    with_replicas,
 )
 from carpool_twin.traffic import parse_traffic
 
@@ -140,8 +143,8 @@ def test_each_ceiling_is_cores_times_1000_over_measured_cpu_ms() -> None:
     got = scales(haproxy())
     # 64 GPUs: 8 nodes and the head, 4 HAProxy threads each, 0.1 ms x 5 requests per mix.
     assert got["HTTP (HAProxy)"] == pytest.approx(9 * 4 * 1000 / 0.5)
-    # serve-gpu.yaml: 4 embed ingress replicas (3 embeds per mix), 2 generate ingress replicas.
-    assert got["ingress embed_ingress"] == pytest.approx(4 * 1000 / (3 * 2.0))
+    # serve-gpu.yaml: 2 embed ingress replicas (3 embeds per mix), 2 generate ingress replicas.
+    assert got["ingress embed_ingress"] == pytest.approx(2 * 1000 / (3 * 2.0))
     # The router runs in the generate ingress's 2 replicas: its 4 ms per auto joins theirs.
     assert got["ingress generate_ingress"] == pytest.approx(2 * 1000 / (2.5 + 4.0))
     assert "router" not in got  # no router process of its own
@@ -160,7 +163,7 @@ def test_the_head_bound_counts_everything_the_head_runs() -> None:
 
 
 def test_ingress_replicas_come_from_the_serve_config() -> None:
-    assert ingress_deployments(GPU_CONFIG)["embed"] == ("embed_ingress", 4)  # serve-gpu.yaml
+    assert ingress_deployments(GPU_CONFIG)["embed"] == ("embed_ingress", 2)  # serve-gpu.yaml
     config = copy.deepcopy(GPU_CONFIG)
     embed = next(a for a in config["applications"] if a["name"] == "embed")
     entry = next(d for d in embed["deployments"] if d["name"] == "embed_ingress")
@@ -187,7 +190,7 @@ def test_the_whole_cluster_twin_gets_the_path_as_stages() -> None:
     over = haproxy().overheads(GPU_CONFIG, 16)
     stages = {s.name: (s.servers, s.ms) for s in over.path}
     assert stages["HTTP (HAProxy)"][0] == 3 * 4
-    assert stages["ingress embed_ingress"] == (4, {"embed": 2.0})
+    assert stages["ingress embed_ingress"] == (2, {"embed": 2.0})
     assert over.router_rps == pytest.approx(1000 / 4.0) and over.router_replicas == 2
 
 
@@ -213,3 +216,78 @@ def test_ingress_names_are_the_pipelines_own() -> None:
     assert DIRECT["generate"] == ("direct_streaming", generate.DIRECT_INGRESS)
     assert "direct_ingress" in EmbedArgs.model_fields
     assert "direct_streaming" in GenerateArgs.model_fields
+
+
+# The ingress tier (issue 42): ingresses on carpool_ingress, which the head and ingress_cpu
+# workers offer, sized for the load.
+
+CLUSTER = yaml.safe_load((ROOT / "cluster.yaml").read_text())
+
+
+def test_the_twins_ingress_tier_is_cluster_yamls() -> None:
+    from carpool_twin.path import (
+        HEAD_INGRESS_UNITS,
+        INGRESS_NODE_TYPE,
+        INGRESS_NODE_UNITS,
+        INGRESS_RESOURCE,
+    )
+
+    types = CLUSTER["available_node_types"]
+    head = types[CLUSTER["head_node_type"]]["resources"]
+    node = types[INGRESS_NODE_TYPE]
+    assert head[INGRESS_RESOURCE] == HEAD_INGRESS_UNITS
+    assert node["resources"][INGRESS_RESOURCE] == INGRESS_NODE_UNITS
+    # A CPU node that scales from zero: no GPU, and none of the GPU workers' docker options.
+    assert "GPU" not in node["resources"] and node["min_workers"] == 0
+    assert node["docker"]["worker_run_options"] == [] and node["worker_setup_commands"] == []
+    for name, t in types.items():  # no GPU node offers it: a lost GPU node takes no ingress
+        if "GPU" in t["resources"]:
+            assert INGRESS_RESOURCE not in t["resources"], name
+    # Every ingress takes one unit; the shipped replicas fit the head.
+    for app in GPU_CONFIG["applications"]:
+        assert app["args"]["ingress"]["resources"] == {INGRESS_RESOURCE: 1}, app["name"]
+    assert tier_units(GPU_CONFIG) == 8 <= HEAD_INGRESS_UNITS
+    assert ingress_nodes(tier_units(GPU_CONFIG)) == 0
+    assert CLUSTER["max_workers"] >= sum(
+        t.get("max_workers", 0) for n, t in types.items() if n != CLUSTER["head_node_type"]
+    )
+
+
+def test_ingress_replicas_are_sized_for_the_load_and_spill_to_ingress_nodes() -> None:
+    path = haproxy()
+    # 100x the mix: embed 300/s x 2 ms = 0.6 of a core, generate 100/s x (2.5 + 4) = 0.65.
+    sized = path.size_ingress(GPU_CONFIG, MIX.scaled(100))
+    assert sized == {"embed_ingress": 1, "rank_ingress": 1, "generate_ingress": 1}
+    # 2000x: embed 6000/s x 2 ms = 12 cores -> 15 replicas; generate 2000/s x (2.5 + 4) -> 17.
+    sized = path.size_ingress(GPU_CONFIG, MIX.scaled(2000))
+    assert sized == {"embed_ingress": 15, "rank_ingress": 5, "generate_ingress": 17}
+    config = with_replicas(GPU_CONFIG, sized)
+    assert tier_units(config) == 15 + 5 + 17 + 3  # search, rag and openai: one each
+    lay = path.layout(config, 64, 8)
+    assert lay.ingress_nodes == 4  # (40 - 8 on the head) / 8
+    assert lay.nodes == 8 + 1 + 4  # each ingress node brings its own HAProxy
+    got = {b.name: b.scale for b in haproxy(head_cores=8.0).bounds(config, MIX, 64)}
+    # Every ingress deployment now allows 2000 / 0.8, and the head holds its 8 busiest
+    # replicas (Ray picks which) plus its HAProxy share: above 2000 too.
+    for name in ("embed_ingress", "rank_ingress", "generate_ingress"):
+        assert got[f"ingress {name}"] >= 2000 / 0.8 - 1e-6
+    # The busiest replicas, per mix a second: an embed one's 3 x 2 / 15 = 0.4 ms (a rank
+    # one's 2 / 5 too; a generate one's 6.5 / 17 less); the head's HAProxy: 0.5 ms over 13.
+    head = 8000 / (8 * 0.4 + 0.5 / 13)
+    assert got["head node CPU"] == pytest.approx(head) and head > 2000
+    # The planned config keeps the rest: a deployment the app does not list gets an entry.
+    assert "autoscaling_config" not in next(
+        d for a in config["applications"] for d in a["deployments"] if d["name"] == "embed_ingress"
+    )
+
+
+def test_pinned_to_the_head_every_ingress_shares_its_cores() -> None:
+    config = copy.deepcopy(GPU_CONFIG)
+    for app in config["applications"]:
+        app["args"]["ingress"]["resources"] = {"carpool_head_node": 0.01}
+    config = with_replicas(config, haproxy().size_ingress(config, MIX.scaled(2000)))
+    assert tier_units(config) is None and haproxy().layout(config, 64, 8).ingress_nodes == 0
+    head = {b.name: b.scale for b in haproxy(head_cores=8.0).bounds(config, MIX, 64)}
+    # All 37 replicas' CPU on the head's 8 cores: 8000 / (6 + 2 + 2.5 + 4 + 0.5 / 9).
+    assert head["head node CPU"] == pytest.approx(8000 / (14.5 + 0.5 / 9))
+    assert head["head node CPU"] < 2000  # the load the replicas were sized for

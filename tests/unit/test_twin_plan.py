@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import copy
+
 import pytest
 
 from carpool_twin.path import ServingPath
@@ -148,3 +150,28 @@ def test_arrivals_are_drawn_once_per_duration_and_seed() -> None:
     a, b = traffic.arrivals(10.0, 0), traffic.arrivals(10.0, 0)
     assert a == b and a["embed"] is not b["embed"]  # same draws, lists of their own
     assert traffic.arrivals(10.0, 1) != a
+
+
+def test_an_ingress_tier_sized_for_the_load_leaves_the_models_binding() -> None:
+    """More ingress CPU than the head has: the projection places ingress replicas on
+    ingress nodes, and every path bound lies above the models' (issue 42)."""
+    from carpool_twin.project import project
+
+    config = copy.deepcopy(CONFIG)
+    config["applications"][0]["args"]["ingress"] = {"resources": {"carpool_ingress": 1}}
+    config["applications"][0]["deployments"].append({"name": "embed_ingress", "num_replicas": 1})
+    # 4 GPUs hold 8 embedder replicas (10 requests/s each); at 200 ms of ingress CPU a
+    # request, their ~75/s need ~15 cores: more than the head's 8.
+    ms = {"http": {"embed": 0.5}, "ingress": {"embed": 200.0}, "router": {"generate": 1.0}}
+    path = ServingPath("haproxy", ms, http_threads=4, head_cores=8.0)
+    planner_ = Planner(config, PROFILE, Slo.parse("p99_ms=2000"), requests_per_run=600)
+    row = project(planner_, one_item(5), 4, 8, 10.0, path)
+    assert row["bottleneck"] == "GPUs (models)", row["bounds"]
+    tier = row["ingress_tier"]
+    assert tier["replicas"]["embed_ingress"] > 8 and tier["ingress_nodes"] >= 1
+    assert all(v > row["scale"] for k, v in row["bounds"].items() if k != "GPUs (models)")
+    # Pinned to the head instead, the same load's ingress binds at 1 replica: 5 requests/s.
+    config["applications"][0]["args"]["ingress"] = {"resources": {"carpool_head_node": 0.01}}
+    pinned = Planner(config, PROFILE, Slo.parse("p99_ms=2000"), requests_per_run=600)
+    row = project(pinned, one_item(5), 4, 8, 10.0, path)
+    assert row["bottleneck"] == "ingress embed_ingress" and row["scale"] == pytest.approx(1.0)
