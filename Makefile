@@ -48,7 +48,10 @@ models: install vllm-venv
 # Ray's HAProxy ingress (carpool/haproxy.py): HAProxy on :8000 routes each route prefix to
 # its ingress replica's own port, with no Python proxy on the request path; its stats page and
 # exporter bind 127.0.0.1. RAY_SERVE_ENABLE_HA_PROXY=0 make serve keeps Serve's Python proxy.
-RAY_INGRESS_ENV = eval "$$($(PY) -m carpool.haproxy env)"
+# Direct routes: a /v1 request naming the embedder or a generator tier goes straight to that
+# app's own prefix (pipelines/direct_routes.py, docs/ingress.md).
+RAY_INGRESS_ENV = eval "$$($(PY) -m carpool.haproxy env \
+	--direct-routes "$$($(PY) -m pipelines.direct_routes serve.yaml)")"
 
 serve: models
 	$(RAY_INGRESS_ENV) && $(VENV)/bin/serve run serve.yaml

@@ -34,7 +34,7 @@ import yaml
 
 ROOT = Path(__file__).resolve().parents[1]
 DEFAULT_OUT = ROOT / "benchmarks" / "results" / "gpu-check.json"
-RESOURCES = {"carpool_head_node": 1, "carpool_gpu_node": 1}
+RESOURCES = {"carpool_head_node": 1, "carpool_gpu_node": 1, "carpool_ingress": 16}
 EMBED_TEXTS = 16  # items per embeddings request
 RERANK_DOCS = 16  # items per rerank request
 PROMPT = "Write a short story about a lighthouse keeper who finds a message in a bottle."

@@ -111,6 +111,11 @@ def embedding_body(result: EmbedResult, encoding_format: str) -> bytes:
     return orjson.dumps(body, option=orjson.OPT_SERIALIZE_NUMPY)
 
 
+def served_model_name(args: EmbedArgs) -> str:
+    """The name ``model`` takes for this app's embedder (pure: pipelines.direct_routes)."""
+    return args.embedder.source.served_model_name or "embedder"
+
+
 def check_model(requested: str | None, served: str) -> None:
     if requested is not None and requested != served:
         raise RequestError(
@@ -131,7 +136,7 @@ class EmbedHandler(PipelineHandler):
     def __init__(self, embedder: DeploymentHandle, args: EmbedArgs, created: int | None = None):
         self.args = args
         self.embedder = embedder
-        self.model_name = args.embedder.source.served_model_name or "embedder"
+        self.model_name = served_model_name(args)
         self.created = created or int(time.time())
 
     @classmethod

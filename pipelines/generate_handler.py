@@ -163,6 +163,21 @@ def _usage(counts: GenerationResult | GenerationEvent) -> UsageInfo:
     )
 
 
+def model_aliases(args: GenerateArgs) -> dict[str, str]:
+    """Every name ``model`` may take in this app -> the tier that answers it: the tiers
+    (``small``, ``large`` when configured, ``auto`` with a router) and the served names behind
+    them. Pure, so the HAProxy routes (pipelines.direct_routes) match what the app serves."""
+    configs = {"small": args.small}
+    if args.large is not None:
+        configs["large"] = args.large
+    tiers = [*configs, *(["auto"] if args.router is not None else [])]
+    aliases = {tier: tier for tier in tiers}
+    for tier, cfg in configs.items():
+        # Clients may name a tier or the model behind it; a tier's own name wins.
+        aliases.setdefault(cfg.source.served_model_name or tier, tier)
+    return aliases
+
+
 class GenerateHandler(PipelineHandler):
     """The generate pipeline's request handling over its generator (and router) handles.
 
@@ -190,10 +205,9 @@ class GenerateHandler(PipelineHandler):
         if router is not None:
             # "auto": the router picks small or large per request (and may escalate).
             self.handles["auto"] = router
-        # Clients may name a tier or the model behind it.
-        self.aliases = {tier: tier for tier in self.handles}
-        for tier, cfg in configs.items():
-            self.aliases.setdefault(cfg.source.served_model_name or tier, tier)
+        self.aliases = {
+            name: tier for name, tier in model_aliases(args).items() if tier in self.handles
+        }
         self._described: dict[str, dict[str, Any]] = {}
 
     def _route(self, requested: str | None) -> tuple[str, DeploymentHandle, str]:

@@ -53,6 +53,7 @@ def ray_session() -> Iterator[None]:
     import ray
 
     from carpool.haproxy import ray_environment
+    from pipelines.direct_routes import routes_of_file
 
     # The tests' Ray runs carpool's shipped ingress (Ray's HAProxy, carpool/haproxy.py) unless
     # RAY_SERVE_ENABLE_HA_PROXY=0 asks for Serve's Python proxy; its stats page and exporter
@@ -64,6 +65,8 @@ def ray_session() -> Iterator[None]:
             stats_port=_free_port(),
             metrics_port=_free_port(),
             fallback_port=_free_port(),
+            # As `make serve` runs it: they act only where serve.yaml's apps are (tests/e2e)
+            direct_routes=routes_of_file(Path(__file__).resolve().parents[1] / "serve.yaml"),
         )
     )
     # Logical CPUs above the 2 real cores: tiny test replicas need scheduling room, not cores.

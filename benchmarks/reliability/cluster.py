@@ -138,6 +138,19 @@ def parse_replica_name(name: str) -> Replica | None:
     return Replica(name, parts[0], parts[1])
 
 
+def direct_routes_env(config: dict[str, Any]) -> dict[str, str]:
+    """HAProxy's direct routes for ``config``'s apps, as ``make serve`` derives them for
+    serve.yaml (``pipelines.direct_routes``); none behind Serve's Python proxy or when the
+    caller set them."""
+    from carpool.haproxy import DIRECT_ROUTES_VAR, ENABLE_VAR, dump_routes
+    from pipelines.direct_routes import direct_routes
+
+    if os.environ.get(ENABLE_VAR) != "1" or DIRECT_ROUTES_VAR in os.environ:
+        return {}
+    routes = direct_routes(config.get("applications") or [])
+    return {DIRECT_ROUTES_VAR: dump_routes(routes)} if routes else {}
+
+
 class Cluster:
     """A Serve deployment of serve.yaml, started here (default) or attached to (``--url``)."""
 
@@ -172,6 +185,15 @@ class Cluster:
         os.environ.setdefault("RAY_worker_niceness", "0")
         if not self.external:
             shipped_ingress_env()  # serve.yaml as `make serve` runs it: behind HAProxy
+        routes = direct_routes_env(self.config) if not self.external else {}
+        os.environ.update(routes)  # read by HAProxy's wrapper, started with Serve below
+        try:
+            return self._start(timeout_s)
+        finally:
+            for key in routes:
+                os.environ.pop(key, None)  # the next cluster in this process derives its own
+
+    def _start(self, timeout_s: float) -> float:
         import ray
 
         t0 = time.monotonic()

@@ -29,6 +29,8 @@ import textwrap
 from dataclasses import dataclass
 from pathlib import Path
 
+import yaml
+
 ROOT = Path(__file__).resolve().parents[2]
 HERE = Path(__file__).resolve().parent
 # The Ray release carpool pins (pyproject.toml); the image must carry the same one.
@@ -93,16 +95,23 @@ ports:
 """
 
 
-def container_env() -> str:
-    return CONTAINER_ENV.replace("{haproxy_env}", haproxy_env())
+def container_env(serve_config: str = "") -> str:
+    return CONTAINER_ENV.replace("{haproxy_env}", haproxy_env(serve_config))
 
 
-def haproxy_env() -> str:
-    """The HAProxy ingress's variables as container env entries (one source: carpool.haproxy)."""
+def haproxy_env(serve_config: str = "") -> str:
+    """The HAProxy ingress's variables as container env entries (one source: carpool.haproxy),
+    with the direct routes of the serveConfigV2 the manifest carries (pipelines.direct_routes)."""
     sys.path.insert(0, str(ROOT))
     from carpool.haproxy import WRAPPER_NAME, ray_environment
+    from pipelines.direct_routes import direct_routes
 
-    values = ray_environment(binary=f"{IMAGE_PYTHON_BIN}/{WRAPPER_NAME}", metrics_host="0.0.0.0")
+    applications = (yaml.safe_load(serve_config) or {}).get("applications") or []
+    values = ray_environment(
+        binary=f"{IMAGE_PYTHON_BIN}/{WRAPPER_NAME}",
+        metrics_host="0.0.0.0",
+        direct_routes=direct_routes(applications),
+    )
     return "".join(f"  - {{name: {k}, value: {json.dumps(v)}}}\n" for k, v in values.items())
 
 
@@ -189,9 +198,11 @@ workerGroupSpecs:
 {worker_volumes_3g}
 """
 
-# cluster.yaml's node types: a CPU head with `carpool_head_node` (Serve's proxy, ingresses,
-# router, retriever) and GPU workers with `carpool_gpu_node` (the models); serve-gpu.yaml
-# places every replica by these resources. The GPU pod fills a GPU_NODE: 7 of its 8 vCPUs
+# cluster.yaml's node types: a CPU head with `carpool_head_node` (the retriever) and
+# `carpool_ingress` (ingress replicas, one a core), CPU-only ingress workers with more
+# `carpool_ingress` (the ingress replicas the head cannot hold, each pod with its own HAProxy)
+# and GPU workers with `carpool_gpu_node` (the models); serve-gpu.yaml places every replica
+# by these resources. The GPU pod fills a GPU_NODE: 7 of its 8 vCPUs
 # (four replicas at num_cpus 1, two vLLM engine cores, Ray's agents and HAProxy) and 26 GiB
 # of its 32, of which up to 8 GiB object store in /dev/shm.
 GPU_CLUSTER = """\
@@ -201,7 +212,7 @@ headGroupSpec:
     dashboard-host: "0.0.0.0"
     num-cpus: "4"
     num-gpus: "0"
-    resources: '"{{\\"carpool_head_node\\": 1}}"'
+    resources: '"{{\\"carpool_head_node\\": 1, \\"carpool_ingress\\": 4}}"'
   template:
     spec:
       containers:
@@ -216,6 +227,29 @@ headGroupSpec:
             limits: {{cpu: "4", memory: 16Gi}}
 {head_volumes_4g}
 workerGroupSpecs:
+  # Ingress replicas past the head's 4 (serve-gpu.yaml's 8, or a planned config's more:
+  # docs/planning.md), one core each, and each pod's own HAProxy. CPU only: losing a GPU pod
+  # never takes the requests an ingress holds.
+  - groupName: ingress
+    replicas: 1
+    minReplicas: 0
+    maxReplicas: 4
+    rayStartParams:
+      num-cpus: "8"
+      num-gpus: "0"
+      resources: '"{{\\"carpool_ingress\\": 8}}"'
+    template:
+      spec:
+        containers:
+          - name: ray-worker
+            image: {image}
+            imagePullPolicy: {pull}
+{worker_env}
+{worker_mounts}
+            resources:
+              requests: {{cpu: "8", memory: 16Gi}}
+              limits: {{cpu: "8", memory: 16Gi}}
+{worker_volumes_4g}
   # One GPU a pod (24 GB, an A10G's worth, fits embedder + ranker + one small + one large
   # replica at serve-gpu.yaml's fractions and memory budgets); Serve's autoscaling adds pods
   # up to 4. docs/gpu.md has the node this is sized for.
@@ -314,10 +348,10 @@ def render(serve_yaml: str, manifest: Manifest = MANIFESTS[0]) -> str:
     cluster = manifest.cluster.format(
         image=manifest.image,
         pull=PULL_POLICY,
-        head_env=_indent(container_env(), 10),
+        head_env=_indent(container_env(serve_config), 10),
         head_ports=_indent(HEAD_PORTS, 10),
         head_mounts=_indent(SHM_MOUNT, 10),
-        worker_env=_indent(container_env(), 12),
+        worker_env=_indent(container_env(serve_config), 12),
         worker_mounts=_indent(SHM_MOUNT, 12),
         gpu_tolerations=_indent(GPU_TOLERATIONS, 8),
         **{

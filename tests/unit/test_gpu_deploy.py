@@ -264,7 +264,8 @@ def test_the_gpu_pod_fits_the_node_it_is_sized_for() -> None:
         == (node["instance"])
     )
     manifest = yaml.safe_load((KUBERAY / "rayservice-gpu.yaml").read_text())
-    (gpu,) = manifest["spec"]["rayClusterConfig"]["workerGroupSpecs"]
+    groups = manifest["spec"]["rayClusterConfig"]["workerGroupSpecs"]
+    (gpu,) = [g for g in groups if g["groupName"] == "gpu"]  # and the CPU ingress group
     requests = gpu["template"]["spec"]["containers"][0]["resources"]["requests"]
     # The kubelet, the device plugin and daemonsets keep about a vCPU and a few GiB.
     assert float(requests["cpu"]) <= cpus - 1

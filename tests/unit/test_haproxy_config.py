@@ -158,7 +158,12 @@ def start_environment(command: str) -> dict[str, str]:
     before it (with this venv's Python standing in for the image's `python`)."""
     before, sep, _ = command.partition("ray start")
     assert sep, command
-    script = before.replace("python -m carpool", f"{sys.executable} -m carpool") + " env -0"
+    script = (
+        before.replace("python -m carpool", f"{sys.executable} -m carpool")
+        .replace("python -m pipelines", f"{sys.executable} -m pipelines")
+        .replace("~/carpool/", f"{ROOT}/")  # file_mounts' copy of this checkout
+        + " env -0"
+    )
     env = {k: v for k, v in os.environ.items() if not k.startswith(("RAY_SERVE", "CARPOOL_"))}
     out = subprocess.run(
         ["bash", "-c", script], capture_output=True, check=True, env=env, cwd=ROOT
@@ -177,6 +182,10 @@ def test_every_cluster_yaml_node_starts_ray_with_the_haproxy_ingress(key: str) -
     assert env[haproxy.STATS_HOST_VAR] == "127.0.0.1"
     assert env[haproxy.METRICS_HOST_VAR] == "0.0.0.0"  # the cluster's Prometheus scrapes it
     assert env["RAY_AUTH_MODE"] == "token"
+    # serve-gpu.yaml's direct routes: /v1 requests naming a pipeline's model skip /v1's hop
+    routes = {r.path: r.target for r in haproxy.load_routes(env[haproxy.DIRECT_ROUTES_VAR])}
+    assert routes["/v1/embeddings"] == "/embed/v1/embeddings"
+    assert routes["/v1/chat/completions"] == "/generate/v1/chat/completions"
 
 
 @pytest.mark.parametrize("manifest", ["rayservice.yaml", "rayservice-gpu.yaml"])
@@ -201,3 +210,12 @@ def test_make_serve_starts_ray_with_the_haproxy_ingress() -> None:
     ).stdout
     serve_line = next(line for line in out.splitlines() if "serve run" in line)
     assert "carpool.haproxy env" in serve_line
+    # ... with serve.yaml's direct routes, from the same Python
+    assert "pipelines.direct_routes serve.yaml" in serve_line
+    before = serve_line.split(" && ")[0]
+    env_out = subprocess.run(
+        ["bash", "-c", f"{before}; env -0"], capture_output=True, check=True, cwd=ROOT
+    ).stdout.decode()
+    env = dict(item.split("=", 1) for item in env_out.split("\0") if "=" in item)
+    targets = [r.target for r in haproxy.load_routes(env[haproxy.DIRECT_ROUTES_VAR])]
+    assert "/embed/v1/embeddings" in targets
