@@ -128,9 +128,15 @@ def openai_fronting(apps: set[str]) -> Callable[[dict[str, Any]], None]:
 
 
 def separate_embed_ingress(config: dict[str, Any]) -> None:
-    """The embed app as before direct_ingress: its own ingress replica, a Ray hop to the
-    embedder."""
-    peers.app_entry(config, "embed").setdefault("args", {})["direct_ingress"] = False
+    """The embed app as before issue 42: its own ingress replica, a Ray hop to the embedder,
+    and one embedder replica of half a CPU (serve.yaml runs two of a quarter since)."""
+    app = peers.app_entry(config, "embed")
+    args = app.setdefault("args", {})
+    args["direct_ingress"] = False
+    args.setdefault("embedder", {}).setdefault("replica", {})["num_cpus"] = 0.5
+    for deployment in app.get("deployments") or []:
+        if deployment.get("name") == "embedder":
+            deployment["num_replicas"] = 1
 
 
 def carpool_system(name: str, haproxy: bool, state_dir: Path, previous: bool = False) -> PathSystem:
