@@ -19,7 +19,7 @@ served: the server never hears that the client left, and computes for nobody.
 Ray runs whatever ``RAY_SERVE_HAPROXY_BINARY_PATH`` names, for every start and reload, with
 ``-f <config>``. ``carpool-haproxy`` (``main`` below) is that binary: it rewrites those
 lines of the file it is given (and lets requests with many headers through to the ingress), then ``exec``s the real HAProxy (same PID, so Ray's process
-tracking is unchanged). Nothing else in the config changes.
+tracking is unchanged). Nothing else in the config changes, but for the direct routes below.
 
 Also set here: ``hard-stop-after``. After a reload (any replica added or removed) Ray's
 default kills connections still on the old HAProxy worker after 120 s, cutting a long stream
