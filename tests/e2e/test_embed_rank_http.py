@@ -69,11 +69,29 @@ def _mixed_text(rng: random.Random) -> str:
     return " ".join(rng.choice(WORDS) for _ in range(max(words, 2)))
 
 
+def embedder_totals(base: str) -> dict[str, float]:
+    """Batching counters summed over the embed app's replicas. /embed/v1/stats answers for
+    the replica a call reaches (by pid), so it is read until every running replica answered."""
+    from ray import serve
+
+    status = serve.status().applications["embed"].deployments["embedder"]
+    running = status.replica_states.get("RUNNING", 0)
+    seen: dict[int, dict] = {}
+    for _ in range(200):
+        stats = httpx.get(f"{base}/embed/v1/stats", timeout=60).json()
+        seen[stats["pid"]] = stats
+        if len(seen) >= running:
+            break
+    assert len(seen) == running, f"{len(seen)} of {running} embedder replicas answered /stats"
+    keys = ("items", "forward_passes", "real_tokens", "padded_tokens")
+    return {k: sum(stats[k] for stats in seen.values()) for k in keys}
+
+
 def test_concurrent_mixed_lengths_batch_well_without_changing_vectors(default_apps: str) -> None:
     rng = random.Random(7)
     bodies = [{"input": [_mixed_text(rng) for _ in range(rng.randint(1, 4))]} for _ in range(64)]
     url = f"{default_apps}/embed/v1/embeddings"
-    before = httpx.get(f"{default_apps}/embed/v1/stats").json()
+    before = embedder_totals(default_apps)
 
     async def burst() -> list[httpx.Response]:
         # All at once, and no retries: a burst of a few seconds of work is served whole
@@ -82,7 +100,7 @@ def test_concurrent_mixed_lengths_batch_well_without_changing_vectors(default_ap
             return await asyncio.gather(*(client.post(url, json=b) for b in bodies))
 
     responses = asyncio.run(burst())
-    after = httpx.get(f"{default_apps}/embed/v1/stats").json()
+    after = embedder_totals(default_apps)
     assert [r.status_code for r in responses] == [200] * 64, [
         r.text[:200] for r in responses if r.status_code != 200
     ]
