@@ -49,7 +49,7 @@ def _module(app: dict[str, Any]) -> str:
 
 def _prefix(app: dict[str, Any]) -> str | None:
     """The app's route prefix without a trailing slash ("" for "/"); None: no HTTP."""
-    prefix = app.get("route_prefix", f"/{app.get('name', '')}")
+    prefix = app.get("route_prefix", "/")  # Serve's default for an app in a config
     if prefix is None:
         return None
     return str(prefix).rstrip("/")
