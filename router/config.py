@@ -6,7 +6,7 @@ Validated where the generate app starts (``pipelines.generate_handler``), and ha
 
 from __future__ import annotations
 
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 from pydantic import Field, model_validator
 
@@ -87,6 +87,15 @@ class RouterConfig(StrictModel):
         description="Where the merged length predictor's state persists, on the node of the "
         "actor that merges it (the node of the generate app's ingress, which hosts the "
         "router: pin the ingress with resources to choose that node).",
+    )
+
+    predictor_resources: dict[str, Annotated[float, Field(gt=0, le=1_000)]] | None = Field(
+        default=None,
+        max_length=16,
+        description="Ray custom resources for the actor that merges the length predictors "
+        "(one per generate app), e.g. {carpool_head_node: 0.01} to keep it on the head, "
+        "which outlives worker nodes. Default: a 0.01 share of each custom resource the "
+        "replica hosting the router asks for (the same node type, without taking a unit).",
     )
 
     @model_validator(mode="before")

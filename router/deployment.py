@@ -234,5 +234,21 @@ def predictor_store(config: RouterConfig, resources: dict[str, float] | None = N
             "default_tokens": config.predictor_default_tokens,
             "snapshot_path": snapshot,
         },
-        actor_options={"num_cpus": 0.01, "resources": dict(resources or {})},
+        actor_options={
+            "num_cpus": 0.01,
+            "resources": dict(config.predictor_resources)
+            if config.predictor_resources is not None
+            else actor_resources(resources),
+        },
     )
+
+
+# By default the actor follows its hosts onto the same node type but must not take one of
+# their units: with `carpool_ingress: 1` per ingress replica, a whole unit for the actor left
+# the last replica of a fully packed head without one (generate stayed DEPLOYING).
+ACTOR_RESOURCE_SHARE = 0.01
+
+
+def actor_resources(resources: dict[str, float] | None) -> dict[str, float]:
+    """The hosting replica's custom resources, each cut to a token share: same nodes, no unit."""
+    return {name: min(amount, ACTOR_RESOURCE_SHARE) for name, amount in (resources or {}).items()}

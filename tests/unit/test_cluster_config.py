@@ -174,3 +174,64 @@ def test_every_node_runs_the_python_vllm_needs() -> None:
     base = dockerfile.split("\nFROM ", 1)[1].split()[0]
     match = re.search(r"-py3(\d+)-", base)
     assert match and int(match.group(1)) >= 11  # vllm==0.32.0 requires Python >= 3.11
+
+
+def _bound_deployments(app: object) -> list[object]:
+    """Every deployment an application binds, its children included (Serve's own objects)."""
+    from ray.serve.deployment import Application
+
+    found, todo = [], [app]
+    while todo:
+        bound = todo.pop()._bound_deployment  # type: ignore[attr-defined]
+        found.append(bound)
+        args = [*bound.init_args, *bound.init_kwargs.values()]
+        todo.extend(a for a in args if isinstance(a, Application))
+    return found
+
+
+def _head_units_asked(config: dict, resource: str) -> float:
+    """Units of `resource` serve-gpu.yaml's apps take as deployed: replicas x their share,
+    plus the deployment-scoped actors each replica set declares."""
+    import importlib
+
+    total = 0.0
+    for app in config["applications"]:
+        module_name, attr = app["import_path"].split(":")
+        built = getattr(importlib.import_module(module_name), attr)(app.get("args", {}))
+        overrides = {d["name"]: d for d in app.get("deployments", [])}
+        for deployment in _bound_deployments(built):
+            options = deployment._deployment_config  # type: ignore[attr-defined]
+            actor_options = deployment.ray_actor_options or {}  # type: ignore[attr-defined]
+            share = (actor_options.get("resources") or {}).get(resource, 0.0)
+            if share:
+                override = overrides.get(deployment.name, {})  # type: ignore[attr-defined]
+                auto = override.get("autoscaling_config") or {}
+                replicas = override.get("num_replicas", auto.get("min_replicas", 1))
+                total += share * replicas
+            for actor in getattr(options, "deployment_actors", None) or []:
+                total += (actor.actor_options.get("resources") or {}).get(resource, 0.0)
+    return total
+
+
+def test_the_gpu_configs_ingress_tier_fits_the_head_as_deployed() -> None:
+    # Every ingress asks for one carpool_ingress, and the head offers 8: at min_workers the
+    # apps must start on the head alone (an ingress_cpu node is for load, not for starting).
+    # The router's length-predictor actor once took a whole unit here, so generate stayed
+    # DEPLOYING on a packed head (the cluster tier caught it).
+    config = yaml.safe_load((ROOT / "serve-gpu.yaml").read_text())
+    cluster = yaml.safe_load((ROOT / "cluster.yaml").read_text())
+    offered = cluster["available_node_types"]["head"]["resources"]["carpool_ingress"]
+    asked = _head_units_asked(config, "carpool_ingress")
+    assert 0 < asked <= offered, (
+        f"serve-gpu.yaml asks {asked} carpool_ingress; the head has {offered}"
+    )
+
+
+def test_the_predictor_actor_follows_its_hosts_without_taking_a_unit() -> None:
+    from router.deployment import actor_resources
+
+    assert actor_resources({"carpool_ingress": 1, "carpool_gpu_node": 0.005}) == {
+        "carpool_ingress": 0.01,
+        "carpool_gpu_node": 0.005,
+    }
+    assert actor_resources(None) == {}
