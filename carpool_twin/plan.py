@@ -27,6 +27,10 @@ from carpool_twin.traffic import Traffic
 
 ROLES_OF = {"embed": ("embedder",), "rank": ("ranker",), "generate": ("small", "large")}
 MAX_REPLICAS = 64  # per model: the search stops there and reports the SLO missed
+# A trial at a larger multiple starts from this share of the last fitting plan's replicas
+# scaled up linearly (batching makes throughput grow faster than replicas): _size grows from
+# there and gives back what the SLO does not need.
+START_SHARE = 0.5
 # An SLO met in a short window by a queue that still grows is not met (``keeps_up``).
 GROWTH = 1.5
 SATURATED = 0.97
@@ -157,6 +161,10 @@ class Planner:
         self.base = TwinSpec.from_serve_config(self.config, profile, dtype=dtype, threads=threads)
         # Kinds whose knobs are settled (fit_gpus searches replicas only, at every scale).
         self.fixed: dict[str, tuple[str, dict[str, Any]]] = {}
+        # Where _size starts, per kind and role (fit_gpus: the last fitting plan's replicas
+        # scaled to the trial's load), so a trial at 1000x the mix is not first simulated on
+        # one replica drowning in 100k queued requests (the 16/64-GPU projections never ended).
+        self.start: dict[str, dict[str, int]] = {}
 
     def _cost(self, replicas: Mapping[str, int]) -> tuple[float, float]:
         gpus = sum(n * self.resources.get(r, (0.0, 0.0))[0] for r, n in replicas.items())
@@ -239,7 +247,8 @@ class Planner:
     ) -> Choice:
         """Grow the busiest model (doubling while the queue outruns it) until the SLO holds,
         then give back replicas one model at a time while it still holds."""
-        replicas = {r: 1 for r in roles}
+        hint = self.start.get(kind, {})
+        replicas = {r: max(1, min(MAX_REPLICAS, hint.get(r, 1))) for r in roles}
         choice = self._try(kind, replicas, role, knobs, traffic)
         while not choice.met:
             if max_gpus is not None and choice.gpus > max_gpus:
@@ -269,45 +278,50 @@ class Planner:
 
         Knobs are searched once, at the traffic as given; the scales then size replicas only.
         ``cap``: a multiple past which the answer does not matter (another bound binds there,
-        e.g. the HTTP proxies); if the plan at ``cap`` fits, ``cap`` is returned at once.
-        Without it, a 64-GPU cluster is searched at thousands of times the mix, each trial a
-        simulation of tens of thousands of requests (the 64-GPU projection did not finish).
+        e.g. the HTTP proxies); if the plan at ``cap`` fits, ``cap`` is returned.
+        The multiple grows 4x a trial toward the cap, each trial sized from the last fitting
+        plan: a first trial at the cap itself (thousands of times the mix at 64 GPUs) was a
+        simulation of 100k+ requests on one replica, and the 16/64-GPU projections never ended.
         """
         base = self.plan(traffic)
         self.fixed = {k: (c.role, c.knobs) for k, c in base.items()}
+
+        def trial(scale: float, fitted: dict[str, Choice], at: float) -> dict[str, Choice]:
+            self.start = {
+                k: {r: int(n * scale / at * START_SHARE) for r, n in c.replicas.items()}
+                for k, c in fitted.items()
+            }
+            return self.plan(traffic.scaled(scale), gpus)
+
         try:
             lo, hi, found = 0.0, 1.0, base
             if not _fits(base, gpus):
                 hi, found = 1.0, {}
             else:
                 lo, hi = 1.0, 4.0
-                grow = True
-                if cap is not None:
-                    if cap <= lo:
-                        return lo, base
-                    plan = self.plan(traffic.scaled(cap), gpus)
-                    if _fits(plan, gpus):
-                        return cap, plan
-                    if cap <= hi:  # the answer lies below the cap, known not to fit
-                        hi, grow = cap, False
-                while grow and hi <= 1e6:  # grow until it no longer fits, then bisect (log)
-                    plan = self.plan(traffic.scaled(hi), gpus)
+                if cap is not None and cap <= lo:
+                    return lo, base
+                while hi <= 1e6:  # grow until it no longer fits, then bisect (log)
+                    last = cap is not None and hi >= cap
+                    if last:
+                        hi = cap  # type: ignore[assignment]
+                    plan = trial(hi, found, lo)
                     if not _fits(plan, gpus):
                         break
-                    lo, found, hi = hi, plan, hi * 4
-                    if cap is not None and hi >= cap:
-                        hi = cap
-                        break
+                    lo, found = hi, plan
+                    if last:
+                        return lo, found
+                    hi *= 4
             for _ in range(steps):
                 mid = math.sqrt(max(lo, hi / 64) * hi)
-                plan = self.plan(traffic.scaled(mid), gpus)
+                plan = trial(mid, found, lo) if found else self.plan(traffic.scaled(mid), gpus)
                 if _fits(plan, gpus):
                     lo, found = mid, plan
                 else:
                     hi = mid
             return lo, found
         finally:
-            self.fixed = {}
+            self.fixed, self.start = {}, {}
 
 
 def keeps_up(latencies_ms: list[float], slo_ms: float) -> bool:

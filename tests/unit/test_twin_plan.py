@@ -175,3 +175,27 @@ def test_an_ingress_tier_sized_for_the_load_leaves_the_models_binding() -> None:
     pinned = Planner(config, PROFILE, Slo.parse("p99_ms=2000"), requests_per_run=600)
     row = project(pinned, one_item(5), 4, 8, 10.0, path)
     assert row["bottleneck"] == "ingress embed_ingress" and row["scale"] == pytest.approx(1.0)
+
+
+def test_a_far_cap_is_approached_by_growing_not_simulated_first() -> None:
+    # 32 GPUs hold 64 replicas (MAX_REPLICAS) of 10/s: about 128x of 5/s fits (a little more: a
+    # 2 s trial hardly shows a 10% overload). A cap of
+    # 10,000x (an HTTP bound far above) was once the first trial: 50,000 requests/s on one
+    # replica, 100k simulated requests per try. Growing 4x a trial from the last fit, each
+    # trial sized from it, simulates a small fraction of that in all.
+    p = planner(2000)
+    simulated: list[float] = []
+    evaluate = p.evaluate
+
+    def counted(kind, overlay, traffic, seed=0):  # type: ignore[no-untyped-def]
+        rate = traffic.rates()[kind]
+        simulated.append(rate * max(2.0, min(p.duration_s, p.requests_per_run / rate)))
+        return evaluate(kind, overlay, traffic, seed)
+
+    p.evaluate = counted  # type: ignore[method-assign]
+    scale, plan = p.fit_gpus(one_item(5), gpus=32.0, steps=4, cap=10_000.0)
+    assert plan["embed"].replicas == {"embedder": 64} and all(c.met for c in plan.values())
+    assert max(simulated) < 20_000, f"a trial simulated {max(simulated):.0f} requests"
+    assert p.start == {} and p.fixed == {}
+    # The same answer as the search without a cap.
+    assert scale == pytest.approx(planner(2000).fit_gpus(one_item(5), 32.0, steps=4)[0])
