@@ -26,7 +26,9 @@ from carpool_twin.topology import ENCODERS, TwinSpec, _load
 from carpool_twin.traffic import Traffic
 
 ROLES_OF = {"embed": ("embedder",), "rank": ("ranker",), "generate": ("small", "large")}
-MAX_REPLICAS = 64  # per model: the search stops there and reports the SLO missed
+# Per model: the search stops there and reports the SLO missed. 256: a 64-GPU cluster fits
+# 213 of serve-gpu.yaml's small replicas (0.3 GPU each); at 64 the search stopped at 26 GPUs.
+MAX_REPLICAS = 256
 # A trial at a larger multiple starts from this share of the last fitting plan's replicas
 # scaled up linearly (batching makes throughput grow faster than replicas): _size grows from
 # there and gives back what the SLO does not need.

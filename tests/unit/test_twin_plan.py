@@ -178,7 +178,7 @@ def test_an_ingress_tier_sized_for_the_load_leaves_the_models_binding() -> None:
 
 
 def test_a_far_cap_is_approached_by_growing_not_simulated_first() -> None:
-    # 32 GPUs hold 64 replicas (MAX_REPLICAS) of 10/s: about 128x of 5/s fits (a little more: a
+    # 32 GPUs hold 64 replicas of 10/s: about 128x of 5/s fits (a little more: a
     # 2 s trial hardly shows a 10% overload). A cap of
     # 10,000x (an HTTP bound far above) was once the first trial: 50,000 requests/s on one
     # replica, 100k simulated requests per try. Growing 4x a trial from the last fit, each
@@ -194,7 +194,8 @@ def test_a_far_cap_is_approached_by_growing_not_simulated_first() -> None:
 
     p.evaluate = counted  # type: ignore[method-assign]
     scale, plan = p.fit_gpus(one_item(5), gpus=32.0, steps=4, cap=10_000.0)
-    assert plan["embed"].replicas == {"embedder": 64} and all(c.met for c in plan.values())
+    assert plan["embed"].gpus <= 32.0 and all(c.met for c in plan.values())
+    assert scale >= 100.0
     assert max(simulated) < 20_000, f"a trial simulated {max(simulated):.0f} requests"
     assert p.start == {} and p.fixed == {}
     # The same answer as the search without a cap.
