@@ -94,6 +94,12 @@ def make_probe(kind: str, model: str | None) -> Probe:
         # measured the large model): the row then prices the router's hop, not a model.
         messages = [{"role": "user", "content": "What is 2+2? Reply with the digit only."}]
         return Probe(kind, "/v1/chat/completions", {"messages": messages, "max_tokens": 1, **named})
+    if kind in ("count", "count-auto"):
+        # The router's price at completion rates: the auto chat runs at ~23 requests/s (its
+        # 44-token prefill), where Ray's background CPU (80-100 ms a second) moves auto - chat
+        # by about a millisecond between rounds. A prompt whose next token small is sure of
+        # ("5"), so auto keeps it on small; count-auto - count = the router's cost per request.
+        return Probe(kind, "/v1/completions", {"prompt": "1, 2, 3, 4,", "max_tokens": 1, **named})
     if kind == "refused":
         # The cheapest honest refusal: a deadline already spent. carpool's ingress answers 504
         # before it reads the body (carpool.http.RequestControlsMiddleware), no model work.
@@ -126,7 +132,10 @@ class ProbeTarget(Target):
         return self._bytes
 
     def decode(self, request: Request, content: bytes) -> Answer:
-        if self.probe.kind == "auto":  # which tier answered: the router's choice, per answer
+        if self.probe.kind in (
+            "auto",
+            "count-auto",
+        ):  # which tier answered: the router's choice, per answer
             try:
                 model = str(json.loads(content).get("model"))
             except (ValueError, AttributeError):

@@ -73,7 +73,7 @@ def summarise(rounds: list[dict[str, Any]]) -> dict[str, dict[str, Any]]:
 
 
 def ratios(rounds: list[dict[str, Any]]) -> dict[str, dict[str, float]]:
-    """req/s ratios and the auto-minus-completion CPU, each within one round."""
+    """req/s ratios and the auto-minus-small CPU (AUTO_PAIRS), each within one round."""
     out: dict[str, dict[str, float]] = {}
     for num, den, kinds in RATIOS:
         for kind in kinds:
@@ -89,17 +89,21 @@ def ratios(rounds: list[dict[str, Any]]) -> dict[str, dict[str, float]]:
             ]
             if any(num in p and den in p for p in per_round):
                 out[f"{num}/{den} req/s {kind}"] = paired_ratios(per_round, num, den)
-    for base in ("completion", "chat"):
+    for auto, base in AUTO_PAIRS:
         for metric in ("total_cpu_ms_per_req", "path_cpu_ms_per_req"):
             diffs = [
-                r["carpool"]["auto"][metric] - r["carpool"][base][metric]
+                r["carpool"][auto][metric] - r["carpool"][base][metric]
                 for r in rounds
-                if measured(r.get("carpool", {}).get("auto"))
+                if measured(r.get("carpool", {}).get(auto))
                 and measured(r.get("carpool", {}).get(base))
             ]
             if diffs:
-                out[f"carpool auto - {base} {metric}"] = median_spread(diffs)
+                out[f"carpool {auto} - {base} {metric}"] = median_spread(diffs)
     return out
+
+
+# The router's price: a request naming auto less the same request naming small.
+AUTO_PAIRS = (("auto", "completion"), ("auto", "chat"), ("count-auto", "count"))
 
 
 def finish(results: dict[str, Any]) -> None:

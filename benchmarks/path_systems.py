@@ -27,6 +27,8 @@ KINDS: tuple[str, ...] = (
     "completion",
     "chat",
     "auto",
+    "count",
+    "count-auto",
     "refused",
 )
 # serve-noop's HTTP port: beside carpool's (peers.PORTS), in this harness's 8200-8299 range.
@@ -40,6 +42,8 @@ CARPOOL_MODELS = {
     "completion": "small",
     "chat": "small",
     "auto": "auto",
+    "count": "small",
+    "count-auto": "auto",
 }
 # Which serve.yaml app answers each kind at carpool's /v1 (the openai app fronts it).
 CARPOOL_APPS = {
@@ -50,6 +54,8 @@ CARPOOL_APPS = {
     "completion": "generate",
     "chat": "generate",
     "auto": "generate",
+    "count": "generate",
+    "count-auto": "generate",
 }
 
 

@@ -260,6 +260,9 @@ def test_probes() -> None:
     assert path.make_probe("embed", None).body == {"input": "hello world"}
     assert len(path.make_probe("rerank", "r").body["documents"]) == 3
     assert path.make_probe("completion", "small").body["max_tokens"] == 1
+    # The router's pair: the same body but for the model it names.
+    count, count_auto = path.make_probe("count", "small"), path.make_probe("count-auto", "auto")
+    assert {**count.body, "model": "auto"} == count_auto.body and count.path == count_auto.path
     auto = path.make_probe("auto", "auto")
     assert auto.path == "/v1/chat/completions" and auto.body["model"] == "auto"
     refused = path.make_probe("refused", "m")
@@ -320,6 +323,8 @@ def rounds() -> list[dict[str, Any]]:
                 "embed": measured(200.0, 5.0, 2.0),
                 "completion": measured(50.0, 20.0, 4.0),
                 "auto": measured(40.0, 26.0, 7.0),
+                "count": measured(60.0, 18.0, 3.0),
+                "count-auto": measured(55.0, 19.0, 3.5),
                 "_facts": {},
             },
             "carpool-python-proxy": {"embed": measured(100.0, 9.0, 6.0)},
@@ -347,6 +352,8 @@ def test_summary_and_ratios_within_rounds() -> None:
     assert r["carpool/infinity req/s embed"]["median"] == pytest.approx(2.5)
     assert r["carpool auto - completion total_cpu_ms_per_req"]["median"] == pytest.approx(6.0)
     assert r["carpool auto - completion path_cpu_ms_per_req"]["median"] == pytest.approx(3.0)
+    assert r["carpool count-auto - count path_cpu_ms_per_req"]["median"] == pytest.approx(0.5)
+    assert "carpool auto - chat path_cpu_ms_per_req" not in r  # no chat row was measured
 
 
 def test_table_and_markdown(tmp_path: Path) -> None:
