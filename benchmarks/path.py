@@ -95,10 +95,11 @@ def make_probe(kind: str, model: str | None) -> Probe:
         messages = [{"role": "user", "content": "What is 2+2? Reply with the digit only."}]
         return Probe(kind, "/v1/chat/completions", {"messages": messages, "max_tokens": 1, **named})
     if kind in ("count", "count-auto"):
-        # The router's price at completion rates: the auto chat runs at ~23 requests/s (its
-        # 44-token prefill), where Ray's background CPU (80-100 ms a second) moves auto - chat
-        # by about a millisecond between rounds. A prompt whose next token small is sure of
-        # ("5"), so auto keeps it on small; count-auto - count = the router's cost per request.
+        # A 1-token completion naming small, then auto. Meant to price the router at
+        # completion rates, but serve.yaml's learned cascade sends this prompt to large up
+        # front (every answer, 2026-11-29): count-auto - count is then what an auto request
+        # routed to large costs on the path (a Ray hop from small's replica) over the same
+        # request on small, at large's rate. The router's own price is auto - chat.
         return Probe(kind, "/v1/completions", {"prompt": "1, 2, 3, 4,", "max_tokens": 1, **named})
     if kind == "refused":
         # The cheapest honest refusal: a deadline already spent. carpool's ingress answers 504
