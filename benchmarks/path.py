@@ -133,10 +133,7 @@ class ProbeTarget(Target):
         return self._bytes
 
     def decode(self, request: Request, content: bytes) -> Answer:
-        if self.probe.kind in (
-            "auto",
-            "count-auto",
-        ):  # which tier answered: the router's choice, per answer
+        if self.probe.body.get("model") == "auto":  # which tier answered: the router's choice
             try:
                 model = str(json.loads(content).get("model"))
             except (ValueError, AttributeError):

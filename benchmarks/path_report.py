@@ -102,7 +102,8 @@ def ratios(rounds: list[dict[str, Any]]) -> dict[str, dict[str, float]]:
     return out
 
 
-# The router's price: a request naming auto less the same request naming small.
+# A request naming auto less one naming small: auto - chat is the router's price (the same
+# request); count-auto - count prices a request the cascade sends to large (path.make_probe).
 AUTO_PAIRS = (("auto", "completion"), ("auto", "chat"), ("count-auto", "count"))
 
 

@@ -316,7 +316,7 @@ class Planner:
                     hi *= 4
             for _ in range(steps):
                 mid = math.sqrt(max(lo, hi / 64) * hi)
-                plan = trial(mid, found, lo) if found else self.plan(traffic.scaled(mid), gpus)
+                plan = trial(mid, found, lo)  # found empty: no hint, a plain plan
                 if _fits(plan, gpus):
                     lo, found = mid, plan
                 else:

@@ -85,8 +85,7 @@ class RouterConfig(StrictModel):
     predictor_snapshot: str | None = Field(
         default=None,
         description="Where the merged length predictor's state persists, on the node of the "
-        "actor that merges it (the node of the generate app's ingress, which hosts the "
-        "router: pin the ingress with resources to choose that node).",
+        "actor that merges it (predictor_resources chooses that node).",
     )
 
     predictor_resources: dict[str, Annotated[float, Field(gt=0, le=1_000)]] | None = Field(

@@ -227,6 +227,7 @@ def predictor_store(config: RouterConfig, resources: dict[str, float] | None = N
     from ray.serve.config import DeploymentActorConfig
 
     snapshot = os.path.expanduser(config.predictor_snapshot) if config.predictor_snapshot else None
+    placed = config.predictor_resources
     return DeploymentActorConfig(
         name=PREDICTOR_ACTOR,
         actor_class=ray.remote(SharedLengthPredictor),
@@ -236,9 +237,7 @@ def predictor_store(config: RouterConfig, resources: dict[str, float] | None = N
         },
         actor_options={
             "num_cpus": 0.01,
-            "resources": dict(config.predictor_resources)
-            if config.predictor_resources is not None
-            else actor_resources(resources),
+            "resources": dict(placed) if placed is not None else actor_resources(resources),
         },
     )
 

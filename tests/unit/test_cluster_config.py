@@ -194,6 +194,8 @@ def _head_units_asked(config: dict, resource: str) -> float:
     plus the deployment-scoped actors each replica set declares."""
     import importlib
 
+    from carpool_twin.topology import replica_count
+
     total = 0.0
     for app in config["applications"]:
         module_name, attr = app["import_path"].split(":")
@@ -205,9 +207,7 @@ def _head_units_asked(config: dict, resource: str) -> float:
             share = (actor_options.get("resources") or {}).get(resource, 0.0)
             if share:
                 override = overrides.get(deployment.name, {})  # type: ignore[attr-defined]
-                auto = override.get("autoscaling_config") or {}
-                replicas = override.get("num_replicas", auto.get("min_replicas", 1))
-                total += share * replicas
+                total += share * replica_count(override)
             for actor in getattr(options, "deployment_actors", None) or []:
                 total += (actor.actor_options.get("resources") or {}).get(resource, 0.0)
     return total
