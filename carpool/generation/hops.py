@@ -67,7 +67,8 @@ class GenerationResult:
     prompt_tokens: int
     completion_tokens: int
     # Choice 0's tokens, for Python callers (the router's cascade judges small's confidence);
-    # the HTTP API leaves them out.
+    # the HTTP API leaves them out. The logprobs are there when the call asked for them or is
+    # ``judged`` (vLLM computes them only then; carpool's own engines always do).
     token_ids: list[int] = field(default_factory=list)
     token_logprobs: list[float] = field(default_factory=list)
     decision: RouteDecision | None = None  # set by the router (model "auto")

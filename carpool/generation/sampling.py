@@ -36,6 +36,11 @@ class SamplingParams:
     # How many of the most likely tokens to report beside each sampled one (OpenAI's
     # top_logprobs); 0 reports only the sampled token's logprob, which is always computed.
     top_logprobs: int = 0
+    # Whether anyone reads the sampled tokens' logprobs: the client asked for them, or the
+    # router's cascade judges the answer by them. vLLM's sampler pays a log-softmax and a rank
+    # pass over the whole vocabulary each step for them, so its engine asks only when read;
+    # carpool's own engines get them from the softmax they sample with and report them anyway.
+    logprobs_wanted: bool = True
     # OpenAI's penalties, on tokens this sequence has generated (as vLLM applies them):
     # each logit drops by presence_penalty once the token appeared, plus frequency_penalty
     # per time it appeared.

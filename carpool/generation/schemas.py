@@ -413,6 +413,9 @@ class GenerationCall(BaseModel):
     # The router's predicted output length (never from HTTP): an engine with its own
     # priority queue (vLLM) orders waiting requests by it, shortest first with aging.
     predicted_tokens: float | None = None
+    # The router's cascade judges this answer by its tokens' logprobs (never from HTTP): the
+    # engine computes them even when the client asked for none.
+    judged: bool = False
     # Structured output (structured.OutputConstraint.to_dict()): the grammar every choice must
     # follow, and the request field it came from (response_format or tools), for errors.
     constraint: dict[str, Any] | None = None

@@ -406,8 +406,9 @@ def sampling_kwargs(params: SamplingParams, eos_ids: frozenset[int]) -> dict[str
         "presence_penalty": params.presence_penalty,
         "frequency_penalty": params.frequency_penalty,
         "ignore_eos": params.ignore_eos,
-        # Always: the router's cascade judges the small model by the sampled tokens' logprobs.
-        "logprobs": params.top_logprobs,
+        # Only when read (the client's logprobs, the router's cascade): each step they cost a
+        # log-softmax and a rank pass over the vocabulary in the engine core.
+        "logprobs": params.top_logprobs if params.logprobs_wanted else None,
         "detokenize": False,
         "skip_special_tokens": True,
     }

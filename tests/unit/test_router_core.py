@@ -112,6 +112,27 @@ def test_cascade_escalates_an_unfinished_small_answer() -> None:
     assert record is not None and record.escalated and record.model == "large"
     assert "max_tokens" in record.reason
     assert len(small.calls) == len(large.calls) == 1
+    # Only small's answer is judged, so only its engine is asked for the tokens' logprobs.
+    assert small.calls[0].judged and not large.calls[0].judged
+
+
+def test_only_a_cascades_small_call_asks_for_logprobs() -> None:
+    """A model named, a threshold decision or a stream is never judged: the engine may skip
+    the logprobs (vLLM computes them only when asked)."""
+    small, large = FakeGenerator("small"), FakeGenerator("large")
+    router = RouterServer({"policy": "threshold"}, {"small": small, "large": large})
+    asyncio.run(router.generate(_call("Answer yes or no: is ice cold?", 16)))
+    asyncio.run(router.generate(_call("hi"), requested="small"))
+
+    async def drain() -> None:
+        async for _ in router.stream(_call("hi")):
+            pass
+
+    asyncio.run(drain())
+    assert len(small.calls) == 3 and not any(c.judged for c in small.calls)
+    cascade = RouterServer({"policy": "cascade"}, {"small": small, "large": large})
+    asyncio.run(cascade.generate(_call("Answer yes or no: is ice cold?")))
+    assert small.calls[-1].judged
 
 
 def test_cascade_keeps_a_good_small_answer() -> None:

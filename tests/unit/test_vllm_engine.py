@@ -167,7 +167,7 @@ def test_sampling_kwargs() -> None:
     assert greedy["temperature"] == 0.0
     assert greedy["max_tokens"] == 5
     assert greedy["stop_token_ids"] == [2, 7]
-    assert greedy["logprobs"] == 0  # the sampled token's logprob, always (the cascade)
+    assert greedy["logprobs"] == 0  # the sampled token's logprob (read by default)
     assert greedy["detokenize"] is False
     assert "stop" not in greedy  # carpool matches stop strings on its own text
 
@@ -180,6 +180,9 @@ def test_sampling_kwargs() -> None:
     assert sampled["logprobs"] == 4
     assert sampled["ignore_eos"] is True
     assert "stop_token_ids" not in sampled
+    # Nobody reads them (a stream that asked none, no cascade): vLLM computes none.
+    unread = SamplingParams(top_logprobs=0, logprobs_wanted=False)
+    assert sampling_kwargs(unread, eos)["logprobs"] is None
     # carpool's near-zero temperatures are greedy; vLLM's greedy is exactly 0.
     assert sampling_kwargs(SamplingParams(temperature=1e-7), eos)["temperature"] == 0.0
 
@@ -269,6 +272,11 @@ def test_the_routers_prediction_reaches_the_sequences(
         call = GenerationCall(prompts=["a b"], max_tokens=4, predicted_tokens=predicted)
         seqs = server._sequences(call, server.prompts.encode(call), None)
         assert [s.predicted_tokens for s in seqs] == [predicted]
+        # The logprobs are wanted when the client asked for them or the cascade judges them.
+        for update, wanted in (({}, False), ({"logprobs": 0}, True), ({"judged": True}, True)):
+            asked = call.model_copy(update=update)
+            seqs = server._sequences(asked, server.prompts.encode(asked), None)
+            assert [s.params.logprobs_wanted for s in seqs] == [wanted], update
     finally:
         server.close()
 

@@ -19,10 +19,10 @@ def test_carpool_variants_come_from_carpools_builders_with_one_change_each() -> 
     assert engine["scheduling_policy"] == "priority"
     assert engine["logprobs_mode"] == "processed_logprobs"
     assert engine["max_num_seqs"] == 64
-    assert sampling["logprobs"] == 0 and sampling["temperature"] == 0.0
-    no_lp_engine, no_lp = variant_args("carpool-nologprobs", 128)
-    assert no_lp["logprobs"] is None and no_lp_engine == engine
-    assert {k: v for k, v in no_lp.items() if k != "logprobs"} == {
+    assert sampling["logprobs"] is None and sampling["temperature"] == 0.0  # a plain stream
+    lp_engine, lp = variant_args("carpool-logprobs", 128)
+    assert lp["logprobs"] == 0 and lp_engine == engine  # the sampled token's, as judged
+    assert {k: v for k, v in lp.items() if k != "logprobs"} == {
         k: v for k, v in sampling.items() if k != "logprobs"
     }
     fcfs_engine, fcfs = variant_args("carpool-fcfs", 128)
@@ -30,4 +30,4 @@ def test_carpool_variants_come_from_carpools_builders_with_one_change_each() -> 
     assert {k: v for k, v in fcfs_engine.items() if k != "scheduling_policy"} == {
         k: v for k, v in engine.items() if k != "scheduling_policy"
     }
-    assert set(VARIANTS) == {"server", "carpool", "carpool-nologprobs", "carpool-fcfs"}
+    assert set(VARIANTS) == {"server", "carpool", "carpool-logprobs", "carpool-fcfs"}

@@ -139,7 +139,7 @@ def test_seeds_repeat_and_differ(vllm_server: Any) -> None:
 
 
 def test_logprobs_are_usable_by_the_cascade(vllm_server: Any) -> None:
-    call = GenerationCall(prompts=[PROMPTS[0]], max_tokens=16, temperature=0)
+    call = GenerationCall(prompts=[PROMPTS[0]], max_tokens=16, temperature=0, judged=True)
     out = run(vllm_server.generate(call))
     ids, lps = out.token_ids, out.token_logprobs
     assert len(ids) == len(lps) == out.completion_tokens > 0
@@ -152,6 +152,15 @@ def test_logprobs_are_usable_by_the_cascade(vllm_server: Any) -> None:
     assert strict.should_escalate(outcome)[0] is True
     assert "mean logprob" in strict.should_escalate(outcome)[1]
     assert lenient.should_escalate(outcome)[0] is False
+
+
+def test_logprobs_nobody_reads_are_not_computed(vllm_server: Any) -> None:
+    """Neither asked by the client nor judged by the cascade: vLLM's sampler is not asked for
+    them (they cost it a log-softmax and a rank pass over the vocabulary each step)."""
+    call = GenerationCall(prompts=[PROMPTS[0]], max_tokens=8, temperature=0, ignore_eos=True)
+    out = run(vllm_server.generate(call))
+    assert out.completion_tokens == len(out.token_ids) == 8
+    assert out.token_logprobs == []
 
 
 def test_top_logprobs_hold_the_sampled_token(vllm_server: Any) -> None:

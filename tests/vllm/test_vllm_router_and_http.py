@@ -29,7 +29,7 @@ PROMPT = "Once upon a time, in a small village,"
 
 def test_cascade_escalates_on_vllm_logprobs(vllm_server: Any, own_server: Any) -> None:
     call = GenerationCall(prompts=["The capital of France is"], max_tokens=16, temperature=0)
-    small = run(vllm_server.generate(call))
+    small = run(vllm_server.generate(call.model_copy(update={"judged": True})))
     lps = small.token_logprobs
     assert lps, "vLLM returned no logprobs for the cascade"
     mean = sum(lps) / len(lps)
