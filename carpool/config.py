@@ -201,10 +201,10 @@ class ReplicaConfig(StrictModel):
         "it starts later, such as vLLM's engine core) runs below where Ray started it; no "
         "privilege needed, and it ends with the replica. Linux shares a busy core by weight: "
         "on a core shared with one process at Ray's level, 4 levels leave this one about 30%, "
-        "10 about 10%; on idle cores it computes at full speed. Opt-in, off in every shipped "
-        "config: a lowered model waits while others keep every core busy "
-        "(docs/configuration.md, 'A model that yields'). Only ever lowers carpool's own "
-        "process. 0: Ray's level.",
+        "10 about 10%; on idle cores it computes at full speed. A lowered model waits while "
+        "others keep every core busy; serve.yaml lowers its embedder 10 levels so generation "
+        "comes first on 2 cores, every cluster config keeps 0 (docs/configuration.md, 'A "
+        "model that yields'). Only ever lowers carpool's own process. 0: Ray's level.",
     )
     cpu_scheduling: Literal["normal", "idle"] = Field(
         default="normal",

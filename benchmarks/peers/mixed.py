@@ -97,12 +97,19 @@ def summarise_mixed(rounds: Sequence[dict[str, Any]]) -> dict[str, Any]:
         out["systems"][n] = {
             m: median_spread([f(r[n]) for r in done if n in r]) for m, f in MIXED_METRICS.items()
         }
-    for n in names:
-        if n == "carpool":
-            continue
-        for m in ("embed_items_per_s", "generate_tokens_per_s"):
+    # Each carpool system (shipped or a layout) against each peer; layouts also against the
+    # shipped one when it ran.
+    pairs = [
+        (a, b)
+        for a in names
+        if a.startswith("carpool")
+        for b in names
+        if b != a and (not b.startswith("carpool") or a == "carpool")
+    ]
+    for a, b in pairs:
+        for m in ("embed_items_per_s", "generate_tokens_per_s", "generate_ttft_p99_ms"):
             per_round = [{k: MIXED_METRICS[m](v) for k, v in r.items()} for r in done]
-            out["ratios"][f"carpool/{n} {m}"] = paired_ratios(per_round, "carpool", n)
+            out["ratios"][f"{a}/{b} {m}"] = paired_ratios(per_round, a, b)
     return out
 
 

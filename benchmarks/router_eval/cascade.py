@@ -28,7 +28,14 @@ from carpool.generation.hops import GenerationResult
 def _answer_all(model: str, questions: list[dict[str, Any]]) -> list[GenerationResult]:
     server = make_server(model, max_num_seqs=16)
     try:
-        calls = [chat_call(q["question"], CASCADE_MAX_TOKENS, CASCADE_SYSTEM) for q in questions]
+        calls = [
+            # judged: the sweep replays the cascade on these answers' logprobs (vLLM computes
+            # them only for a judged call or one that asks).
+            chat_call(q["question"], CASCADE_MAX_TOKENS, CASCADE_SYSTEM).model_copy(
+                update={"judged": True}
+            )
+            for q in questions
+        ]
         start = time.perf_counter()
         results = asyncio.run(_run_all(server, calls))
         print(f"{model}: {len(questions)} answers in {time.perf_counter() - start:.0f} s")

@@ -323,6 +323,12 @@ SHARED_NODE_THREADS = (
 )
 
 
+# serve.yaml lowers its embedder so that vLLM's engine keeps a core of its 2 under mixed load;
+# on a cluster the models need not share cores, so the manifests keep every replica at Ray's
+# level, as every cluster config does (docs/configuration.md, "A model that yields").
+CLUSTER_NICENESS = "cpu_niceness: 0   # a cluster: serve.yaml's 10 is for its own 2 cores"
+
+
 # serve.yaml's direct streaming (the small generator serving /generate's HTTP) suits one box;
 # on a cluster a separate ingress, two replicas, keeps HTTP off the generator replicas.
 CLUSTER_INGRESS = "direct_streaming: false   # a cluster: a separate ingress (docs/generation.md)"
@@ -343,6 +349,7 @@ def cluster_ingress(applications: str) -> str:
 def render(serve_yaml: str, manifest: Manifest = MANIFESTS[0]) -> str:
     applications = applications_block(serve_yaml, manifest.serve_config)
     applications = re.sub(r"thread_policy: idle_cores[^\n]*", SHARED_NODE_THREADS, applications)
+    applications = re.sub(r"cpu_niceness: [1-9][0-9]*[^\n]*", CLUSTER_NICENESS, applications)
     applications = cluster_ingress(applications)
     serve_config = SERVE_HEADER + "\n" + applications
     cluster = manifest.cluster.format(

@@ -332,25 +332,36 @@ def test_replica_niceness_is_bounded_and_off_by_default() -> None:
             ReplicaConfig(cpu_niceness=bad)
 
 
+# The only model replica a shipped config lowers: serve.yaml's embedder, so that on its 2
+# cores vLLM's engine keeps its core under mixed load (docs/configuration.md, "A model that
+# yields"). A generator is never lowered, and no cluster config lowers anything.
+LOWERED = {("serve.yaml", "embed", "embedder"): 10}
+
+
 @pytest.mark.parametrize("path", SHIPPED_CONFIGS)
-def test_no_shipped_config_lowers_a_model_replica(path: str) -> None:
-    # Opt-in only (docs/configuration.md, "A model that yields"): a lowered model starves while
-    # others keep every core busy. Ingress niceness (IngressConfig.cpu_niceness) is another
-    # field.
-    def replicas(node: object) -> list[dict]:
+def test_only_the_single_box_embedder_is_lowered(path: str) -> None:
+    # Ingress niceness (IngressConfig.cpu_niceness) is another field.
+    def replicas(node: object, where: tuple[str, ...]) -> list[tuple[tuple[str, ...], dict]]:
         if isinstance(node, dict):
-            found = [node["replica"]] if isinstance(node.get("replica"), dict) else []
-            return found + [r for v in node.values() for r in replicas(v)]
+            found = [(where, node["replica"])] if isinstance(node.get("replica"), dict) else []
+            return found + [r for k, v in node.items() for r in replicas(v, (*where, str(k)))]
         if isinstance(node, list):
-            return [r for v in node for r in replicas(v)]
+            return [r for v in node for r in replicas(v, where)]
         return []
 
-    models = replicas(_applications(path))
+    models = [
+        (app["name"], where[-1], replica)
+        for app in _applications(path)
+        for where, replica in replicas(app.get("args", {}), ())
+    ]
     assert models, f"{path}: no model replica settings found"
-    for replica in models:
-        assert replica.get("cpu_niceness", 0) == 0, f"{path}: {replica}"
+    for app, model, replica in models:
+        wanted = LOWERED.get((path, app, model), 0)
+        assert replica.get("cpu_niceness", 0) == wanted, f"{path}: {app}/{model}: {replica}"
         assert replica.get("cpu_scheduling", "normal") == "normal", f"{path}: {replica}"
         assert replica.get("cpu_cores") is None, f"{path}: {replica}"
+    if path == "serve.yaml":
+        assert ("embed", "embedder") in {(a, m) for a, m, _ in models}
 
 
 @pytest.mark.skipif(not hasattr(os, "sched_setaffinity"), reason="needs Linux CPU affinity")

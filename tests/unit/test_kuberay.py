@@ -78,11 +78,11 @@ def test_the_manifest_serves_exactly_its_serve_configs_applications(
 ) -> None:
     path, manifest = each_manifest
     served = yaml.safe_load(manifest["spec"]["serveConfigV2"])
-    # The intended differences: a pod shares its node, so idle_cores becomes reserved, and a
-    # cluster answers /generate through a separate ingress (two replicas), not the generator.
-    local = yaml.safe_load(
-        SOURCES[path].read_text().replace("thread_policy: idle_cores", "thread_policy: reserved")
-    )
+    # The intended differences: a pod shares its node, so idle_cores becomes reserved; its
+    # models need not share cores, so no replica is lowered (cpu_niceness 0); and a cluster
+    # answers /generate through a separate ingress (two replicas), not the generator.
+    text = SOURCES[path].read_text().replace("thread_policy: idle_cores", "thread_policy: reserved")
+    local = yaml.safe_load(re.sub(r"cpu_niceness: [1-9][0-9]*", "cpu_niceness: 0", text))
     for app in local["applications"]:
         if app.get("args", {}).get("direct_streaming"):
             app["args"]["direct_streaming"] = False

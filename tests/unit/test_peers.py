@@ -357,6 +357,18 @@ def test_summarise_mixed_pairs_rounds_and_skips_failed_visits() -> None:
     )
 
 
+def test_summarise_mixed_pairs_a_layout_with_the_peers_without_shipped_carpool() -> None:
+    rounds = [
+        {"carpool-embed-nice10": mixed_visit(60, 90), "infinity+vllm": mixed_visit(15, 100)},
+        {"carpool-embed-nice10": mixed_visit(50, 95), "infinity+vllm": mixed_visit(10, 100)},
+    ]
+    ratios = mixed.summarise_mixed(rounds)["ratios"]
+    tokens = ratios["carpool-embed-nice10/infinity+vllm generate_tokens_per_s"]
+    assert (tokens["median"], tokens["n"]) == (pytest.approx(0.925), 2)
+    assert ratios["carpool-embed-nice10/infinity+vllm embed_items_per_s"]["min"] == 4.0
+    assert not any(k.startswith("carpool/") for k in ratios)  # shipped carpool did not run
+
+
 def test_mixed_report_table(tmp_path: Path) -> None:
     rounds = [{"carpool": mixed_visit(60, 100), "infinity+vllm": mixed_visit(30, 125)}]
     results = {
@@ -457,10 +469,12 @@ def test_carpool_layouts_change_only_their_thread_knobs() -> None:
         assert layout is not None
         layout(lowered)
         embedder = layouts.app_entry(lowered, "embed")["args"]["embedder"]
+        expected = copy.deepcopy(shipped)
         for field, value in fields.items():
             assert getattr(EmbedderConfig.model_validate(embedder).replica, field) == value
             assert embedder["replica"].pop(field) == value
-        assert lowered == shipped
+            layouts.app_entry(expected, "embed")["args"]["embedder"]["replica"].pop(field, None)
+        assert lowered == expected
 
     # vLLM's own layout with the embedder on core 1: the two changes above, together.
     split = copy.deepcopy(shipped)
@@ -483,7 +497,7 @@ def test_carpool_layouts_change_only_their_thread_knobs() -> None:
     team = copy.deepcopy(shipped)
     layouts.two_thread_embed_nice10_layout(team)
     assert (knobs(team)[1].pop("cpu_executor"), knobs(team)[1].pop("cpu_threads")) == ("uni", 2)
-    assert knobs(team)[0].pop("cpu_niceness") == 10
+    assert knobs(team)[0]["cpu_niceness"] == 10 == knobs(shipped)[0]["cpu_niceness"]
     assert team == shipped
 
     # 128 sequences: the engine's and the replica's batch, and the Serve queue to hold them.
