@@ -84,6 +84,14 @@ def seqs128_layout(config: dict[str, Any]) -> None:
     entry["max_ongoing_requests"] = entry["max_queued_requests"] = held
 
 
+def fcfs_layout(config: dict[str, Any]) -> None:
+    """serve.yaml with the small engine's waiting queue in arrival order (vLLM's FCFS,
+    ``vllm.priority_scheduling: false``) instead of carpool's priority (predicted length, or
+    a request's ``max_tokens`` without the router's prediction, with aging)."""
+    small = app_entry(config, "generate")["args"]["small"]
+    small.setdefault("vllm", {})["priority_scheduling"] = False
+
+
 def embedder_priority_layout(**replica: Any) -> Callable[[dict[str, Any]], None]:
     """serve.yaml with the embedder's replica at a lower CPU priority (``replica.cpu_niceness``
     or ``cpu_scheduling``), so on a contended core it yields to the generator's engine, or on
@@ -134,6 +142,7 @@ CARPOOL_LAYOUTS: dict[str, Callable[[dict[str, Any]], None] | None] = {
     "carpool-small2": two_engine_layout,
     "carpool-uni2-embed-nice10": two_thread_embed_nice10_layout,
     "carpool-seqs128": seqs128_layout,
+    "carpool-fcfs": fcfs_layout,
     "carpool-uni2-haproxy": two_thread_layout,  # and Ray's HAProxy ingress (CARPOOL_RAY_ENV)
     "carpool-direct": streaming_layout(direct=True),
     "carpool-ingress": streaming_layout(direct=False),

@@ -455,6 +455,15 @@ def test_carpool_layouts_change_only_their_thread_knobs() -> None:
     assert (vllm_two.pop("cpu_executor"), vllm_two.pop("cpu_threads")) == ("uni", 2)
     assert two == shipped
 
+    # The FCFS variant changes only the small engine's scheduling policy.
+    fcfs = copy.deepcopy(shipped)
+    layouts.fcfs_layout(fcfs)
+    assert (
+        layouts.app_entry(fcfs, "generate")["args"]["small"]["vllm"].pop("priority_scheduling")
+        is False
+    )
+    assert fcfs == shipped
+
     # The embedder-priority variants change only the embedder's replica priority fields.
     from deployments.embedder import EmbedderConfig
 
@@ -517,6 +526,7 @@ def test_carpool_layouts_change_only_their_thread_knobs() -> None:
     assert set(layouts.CARPOOL_LAYOUTS) == {
         "carpool",
         "carpool-seqs128",
+        "carpool-fcfs",
         "carpool-uni2-embed-nice10",
         "carpool-mp-embed-core1",
         "carpool-small2",
