@@ -106,9 +106,9 @@ def summarise_mixed(rounds: Sequence[dict[str, Any]]) -> dict[str, Any]:
         for b in names
         if b != a and (not b.startswith("carpool") or a == "carpool")
     ]
-    for a, b in pairs:
-        for m in ("embed_items_per_s", "generate_tokens_per_s", "generate_ttft_p99_ms"):
-            per_round = [{k: MIXED_METRICS[m](v) for k, v in r.items()} for r in done]
+    for m in ("embed_items_per_s", "generate_tokens_per_s", "generate_ttft_p99_ms"):
+        per_round = [{k: MIXED_METRICS[m](v) for k, v in r.items()} for r in done]
+        for a, b in pairs:
             out["ratios"][f"{a}/{b} {m}"] = paired_ratios(per_round, a, b)
     return out
 

@@ -28,12 +28,9 @@ from carpool.generation.hops import GenerationResult
 def _answer_all(model: str, questions: list[dict[str, Any]]) -> list[GenerationResult]:
     server = make_server(model, max_num_seqs=16)
     try:
+        # judged: the sweep replays the cascade on these answers' logprobs.
         calls = [
-            # judged: the sweep replays the cascade on these answers' logprobs (vLLM computes
-            # them only for a judged call or one that asks).
-            chat_call(q["question"], CASCADE_MAX_TOKENS, CASCADE_SYSTEM).model_copy(
-                update={"judged": True}
-            )
+            chat_call(q["question"], CASCADE_MAX_TOKENS, CASCADE_SYSTEM, judged=True)
             for q in questions
         ]
         start = time.perf_counter()

@@ -32,9 +32,14 @@ def chat(prompt: str, system: str | None = None) -> list[dict[str, str]]:
     return [*messages, {"role": "user", "content": prompt}]
 
 
-def chat_call(prompt: str, max_tokens: int, system: str | None = None) -> GenerationCall:
-    """A greedy chat call of ``prompt`` (after ``system``), as the parts send it."""
-    return GenerationCall(messages=chat(prompt, system), max_tokens=max_tokens, temperature=0.0)
+def chat_call(
+    prompt: str, max_tokens: int, system: str | None = None, judged: bool = False
+) -> GenerationCall:
+    """A greedy chat call of ``prompt`` (after ``system``), as the parts send it; ``judged``:
+    the cascade reads its logprobs (vLLM computes them only then)."""
+    return GenerationCall(
+        messages=chat(prompt, system), max_tokens=max_tokens, temperature=0.0, judged=judged
+    )
 
 
 ENGINES = ("continuous", "vllm")
