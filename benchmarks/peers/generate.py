@@ -13,7 +13,7 @@ from typing import Any
 
 from benchmarks.peers.measure import closed_window, open_window, paired_rounds, warm_up
 from benchmarks.peers.process import load_note, top_snapshot
-from benchmarks.peers.stats import median_spread, paired_ratios
+from benchmarks.peers.stats import carpool_pairs, median_spread, paired_ratios
 from benchmarks.peers.stream import PeersLoadGenerator, StreamingTarget
 from benchmarks.peers.systems import SystemSpec, generate_systems
 from benchmarks.workloads import Workload, generate_workload
@@ -52,7 +52,9 @@ async def _generate_visit(
             print(
                 f"  {system.name} r{round_} c={c}: {s['tokens_per_s']:.1f} tok/s, TTFT p50/p99 "
                 f"{s['ttft_ms']['p50']:.0f}/{s['ttft_ms']['p99']:.0f} ms, TPOT p50 "
-                f"{s['tpot_ms']['p50']:.0f} ms, ok {s['ok']}/{s['sent']}",
+                f"{s['tpot_ms']['p50']:.0f} ms, ok {s['ok']}/{s['sent']}; opening burst TTFT "
+                f"max {s['ttft_split_ms']['burst']['max']:.0f} ms, after it p99 "
+                f"{s['ttft_split_ms']['after']['p99']:.0f} ms",
                 flush=True,
             )
         if not args.no_trace:
@@ -122,18 +124,11 @@ def summarise_generate(rounds: Sequence[dict[str, Any]], phases: Sequence[str]) 
                 m: median_spread([f(r[n][phase]) for r in rounds if phase in r.get(n, {})])
                 for m, f in GEN_METRICS.items()
             }
-        for n in names:
-            if n == "carpool":
-                continue
-            for m in ("tokens_per_s", "ttft_p99_ms"):
-                per_round = [
-                    {
-                        k: GEN_METRICS[m](r[k][phase])
-                        for k in ("carpool", n)
-                        if phase in r.get(k, {})
-                    }
-                    for r in rounds
-                ]
-                table[f"carpool/{n} {m}"] = paired_ratios(per_round, "carpool", n)
+        for m in ("tokens_per_s", "ttft_p99_ms"):
+            per_round = [
+                {k: GEN_METRICS[m](v[phase]) for k, v in r.items() if phase in v} for r in rounds
+            ]
+            for a, b in carpool_pairs(names):
+                table[f"{a}/{b} {m}"] = paired_ratios(per_round, a, b)
         out[phase] = table
     return out

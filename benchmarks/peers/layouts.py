@@ -92,6 +92,14 @@ def fcfs_layout(config: dict[str, Any]) -> None:
     small.setdefault("vllm", {})["priority_scheduling"] = False
 
 
+def engine_aging_layout(config: dict[str, Any]) -> None:
+    """serve.yaml with the small engine's priority aging at 250 predicted tokens a second
+    (about what the engine decodes a second on this box) instead of the router lanes' 5: a
+    long request waits behind shorter newcomers at most ~1 s, not ~50 s."""
+    small = app_entry(config, "generate")["args"]["small"]
+    small.setdefault("vllm", {})["aging_tokens_per_s"] = 250.0
+
+
 def embedder_priority_layout(**replica: Any) -> Callable[[dict[str, Any]], None]:
     """serve.yaml with the embedder's replica at a lower CPU priority (``replica.cpu_niceness``
     or ``cpu_scheduling``), so on a contended core it yields to the generator's engine, or on
@@ -143,6 +151,7 @@ CARPOOL_LAYOUTS: dict[str, Callable[[dict[str, Any]], None] | None] = {
     "carpool-uni2-embed-nice10": two_thread_embed_nice10_layout,
     "carpool-seqs128": seqs128_layout,
     "carpool-fcfs": fcfs_layout,
+    "carpool-aging250": engine_aging_layout,
     "carpool-uni2-haproxy": two_thread_layout,  # and Ray's HAProxy ingress (CARPOOL_RAY_ENV)
     "carpool-direct": streaming_layout(direct=True),
     "carpool-ingress": streaming_layout(direct=False),

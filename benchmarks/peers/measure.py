@@ -12,7 +12,7 @@ from collections.abc import Callable, Coroutine, Sequence
 from typing import Any
 
 from benchmarks.loadgen import LoadGenerator, SloGuard
-from benchmarks.peers.stream import stream_summary
+from benchmarks.peers.stream import burst_split, stream_summary
 from benchmarks.peers.systems import MixedSpec, SystemSpec, running
 from benchmarks.targets import Target
 from benchmarks.workloads import Request, Workload
@@ -71,6 +71,7 @@ async def closed_window(
         target, workload.requests, concurrency, duration_s, label, max_requests=max_requests
     )
     summary = stream_summary(result.records, None)
+    summary["ttft_split_ms"] = burst_split(result.records, concurrency)
     summary["errors_sample"] = [r.error for r in result.records if r.error][:3]
     return summary
 

@@ -16,7 +16,7 @@ from typing import Any
 
 from benchmarks.peers.measure import closed_window, paired_rounds, warm_up
 from benchmarks.peers.process import load_note, top_snapshot
-from benchmarks.peers.stats import median_spread, paired_ratios
+from benchmarks.peers.stats import carpool_pairs, median_spread, paired_ratios
 from benchmarks.peers.stream import PeersLoadGenerator
 from benchmarks.peers.systems import MixedSpec, mixed_systems
 from benchmarks.workloads import Workload, embed_workload, generate_workload
@@ -97,15 +97,7 @@ def summarise_mixed(rounds: Sequence[dict[str, Any]]) -> dict[str, Any]:
         out["systems"][n] = {
             m: median_spread([f(r[n]) for r in done if n in r]) for m, f in MIXED_METRICS.items()
         }
-    # Each carpool system (shipped or a layout) against each peer; layouts also against the
-    # shipped one when it ran.
-    pairs = [
-        (a, b)
-        for a in names
-        if a.startswith("carpool")
-        for b in names
-        if b != a and (not b.startswith("carpool") or a == "carpool")
-    ]
+    pairs = carpool_pairs(names)
     for m in ("embed_items_per_s", "generate_tokens_per_s", "generate_ttft_p99_ms"):
         per_round = [{k: MIXED_METRICS[m](v) for k, v in r.items()} for r in done]
         for a, b in pairs:

@@ -26,3 +26,15 @@ def paired_ratios(rounds: Sequence[dict[str, float]], num: str, den: str) -> dic
     """``num/den`` per round (the pairing: both measured in the same round), then summarised."""
     per_round = [ratio(r[num], r[den]) for r in rounds if num in r and den in r]
     return median_spread(per_round)
+
+
+def carpool_pairs(names: Sequence[str]) -> list[tuple[str, str]]:
+    """Which systems a summary divides: each carpool system (shipped or a layout) by each
+    peer, and a layout by shipped carpool when it ran."""
+    return [
+        (a, b)
+        for a in names
+        if a.startswith("carpool")
+        for b in names
+        if b != a and (not b.startswith("carpool") or a == "carpool")
+    ]

@@ -208,3 +208,17 @@ def stream_summary(records: Sequence[RequestRecord], window_s: float | None) -> 
     summary["tpot_ms"] = {"p50": percentile(tpots, 50), "p99": percentile(tpots, 99)}
     summary["output_tokens"] = sum(r.tokens for r in ok)
     return summary
+
+
+def burst_split(records: Sequence[RequestRecord], clients: int) -> dict[str, Any]:
+    """TTFT of a closed loop's opening burst (its first ``clients`` requests, sent at once)
+    apart from the requests after it, which arrive one at a time as answers end: where a
+    TTFT p99 comes from (all the prompts of the burst prefill together, so its last first
+    tokens wait for all of them)."""
+    ok = [r for r in records if isinstance(r, StreamRecord) and r.ok and r.ttft is not None]
+    burst = [r.ttft * 1000 for r in ok if r.index < clients]
+    after = [r.ttft * 1000 for r in ok if r.index >= clients]
+    return {
+        "burst": {"n": len(burst), "p50": percentile(burst, 50), "max": max(burst, default=0.0)},
+        "after": {"n": len(after), "p50": percentile(after, 50), "p99": percentile(after, 99)},
+    }

@@ -25,7 +25,7 @@ from benchmarks.peers import (
     systems,
 )
 from benchmarks.peers.embed import summarise_embed
-from benchmarks.peers.generate import generate_result
+from benchmarks.peers.generate import generate_result, summarise_generate
 from benchmarks.targets import EmbeddingsTarget
 from benchmarks.workloads import GenerateRequest
 from carpool.venvs import MARKER, install_plan, is_installed
@@ -180,6 +180,19 @@ def test_stream_summary_percentiles() -> None:
     assert s["output_tokens"] == 50
     assert s["ttft_ms"]["p50"] == pytest.approx(550.0)
     assert s["tpot_ms"]["p99"] == pytest.approx(100.0)
+
+
+def test_burst_split_separates_the_opening_burst() -> None:
+    records = []
+    for i in range(6):  # 3 clients: requests 0-2 open together, 3-5 follow answers
+        r = stream.StreamRecord(i, float(i), float(i), i + 2.0, 200, items=1, tokens=5)
+        r.first_token = i + (1.0 if i < 3 else 0.1) * (i + 1)
+        records.append(r)
+    records.append(stream.StreamRecord(6, 6.0, 6.0, 7.0, 500))  # failed: not counted
+    split = stream.burst_split(records, clients=3)
+    assert split["burst"]["n"] == 3 and split["after"]["n"] == 3
+    assert split["burst"]["max"] == pytest.approx(3000.0)
+    assert split["after"]["p50"] == pytest.approx(500.0)
 
 
 # --- maths and report ----------------------------------------------------------------------
@@ -339,6 +352,24 @@ def mixed_visit(items: float, tokens: float) -> dict:
             "tpot_ms": {"p50": 90.0, "p99": 150.0},
         },
     }
+
+
+def test_summarise_generate_pairs_every_carpool_layout_with_each_peer() -> None:
+    def visit(tokens: float, ttft_p99: float) -> dict:
+        g = mixed_visit(0, tokens)["generate"]
+        g["ttft_ms"]["p99"] = ttft_p99
+        return {"closed-64": g}
+
+    rounds = [
+        {"carpool-fcfs": visit(90, 1000), "vllm-uni": visit(100, 1000)},
+        {"carpool-fcfs": visit(95, 1100), "vllm-uni": visit(100, 1000), "vllm": {"error": "x"}},
+    ]
+    table = summarise_generate(rounds, ["closed-64"])["closed-64"]
+    tokens = table["carpool-fcfs/vllm-uni tokens_per_s"]
+    assert (tokens["median"], tokens["n"]) == (pytest.approx(0.925), 2)
+    assert table["carpool-fcfs/vllm-uni ttft_p99_ms"]["max"] == pytest.approx(1.1)
+    assert table["carpool-fcfs/vllm tokens_per_s"]["n"] == 0  # the peer failed: no pair
+    assert not any(k.startswith("carpool/") for k in table)  # shipped carpool did not run
 
 
 def test_summarise_mixed_pairs_rounds_and_skips_failed_visits() -> None:
@@ -527,6 +558,7 @@ def test_carpool_layouts_change_only_their_thread_knobs() -> None:
         "carpool",
         "carpool-seqs128",
         "carpool-fcfs",
+        "carpool-aging250",
         "carpool-uni2-embed-nice10",
         "carpool-mp-embed-core1",
         "carpool-small2",
