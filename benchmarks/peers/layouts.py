@@ -84,20 +84,23 @@ def seqs128_layout(config: dict[str, Any]) -> None:
     entry["max_ongoing_requests"] = entry["max_queued_requests"] = held
 
 
-def fcfs_layout(config: dict[str, Any]) -> None:
-    """serve.yaml with the small engine's waiting queue in arrival order (vLLM's FCFS,
-    ``vllm.priority_scheduling: false``) instead of carpool's priority (predicted length, or
-    a request's ``max_tokens`` without the router's prediction, with aging)."""
+def priority_layout(config: dict[str, Any]) -> None:
+    """serve.yaml with the small engine's waiting queue in carpool's priority order
+    (predicted length, or a request's ``max_tokens`` without the router's prediction, aging
+    like the router's lanes) instead of vLLM's arrival order: serve.yaml's small engine until
+    2026-11-29 (``carpool-fcfs`` in the results before that day was today's default)."""
     small = app_entry(config, "generate")["args"]["small"]
-    small.setdefault("vllm", {})["priority_scheduling"] = False
+    aging = app_entry(config, "generate")["args"]["router"]["aging_tokens_per_s"]
+    small.setdefault("vllm", {}).update(priority_scheduling=True, aging_tokens_per_s=aging)
 
 
 def engine_aging_layout(config: dict[str, Any]) -> None:
-    """serve.yaml with the small engine's priority aging at 250 predicted tokens a second
-    (about what the engine decodes a second on this box) instead of the router lanes' 5: a
-    long request waits behind shorter newcomers at most ~1 s, not ~50 s."""
+    """``priority_layout`` with the engine's aging at 250 predicted tokens a second (about what
+    the engine decodes a second on this box) instead of the router lanes' 5: a long request
+    waits behind shorter newcomers at most ~1 s, not ~50 s."""
+    priority_layout(config)
     small = app_entry(config, "generate")["args"]["small"]
-    small.setdefault("vllm", {})["aging_tokens_per_s"] = 250.0
+    small["vllm"]["aging_tokens_per_s"] = 250.0
 
 
 def embedder_priority_layout(**replica: Any) -> Callable[[dict[str, Any]], None]:
@@ -150,7 +153,7 @@ CARPOOL_LAYOUTS: dict[str, Callable[[dict[str, Any]], None] | None] = {
     "carpool-small2": two_engine_layout,
     "carpool-uni2-embed-nice10": two_thread_embed_nice10_layout,
     "carpool-seqs128": seqs128_layout,
-    "carpool-fcfs": fcfs_layout,
+    "carpool-priority": priority_layout,
     "carpool-aging250": engine_aging_layout,
     "carpool-uni2-haproxy": two_thread_layout,  # and Ray's HAProxy ingress (CARPOOL_RAY_ENV)
     "carpool-direct": streaming_layout(direct=True),

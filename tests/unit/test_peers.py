@@ -486,14 +486,17 @@ def test_carpool_layouts_change_only_their_thread_knobs() -> None:
     assert (vllm_two.pop("cpu_executor"), vllm_two.pop("cpu_threads")) == ("uni", 2)
     assert two == shipped
 
-    # The FCFS variant changes only the small engine's scheduling policy.
-    fcfs = copy.deepcopy(shipped)
-    layouts.fcfs_layout(fcfs)
+    # The priority variant changes only the small engine's scheduling policy and its aging.
     assert (
-        layouts.app_entry(fcfs, "generate")["args"]["small"]["vllm"].pop("priority_scheduling")
+        layouts.app_entry(shipped, "generate")["args"]["small"]["vllm"]["priority_scheduling"]
         is False
     )
-    assert fcfs == shipped
+    ordered = copy.deepcopy(shipped)
+    layouts.priority_layout(ordered)
+    vllm_ordered = layouts.app_entry(ordered, "generate")["args"]["small"]["vllm"]
+    assert vllm_ordered.pop("aging_tokens_per_s") == 5.0  # the router lanes' aging
+    vllm_ordered["priority_scheduling"] = False
+    assert ordered == shipped
 
     # The embedder-priority variants change only the embedder's replica priority fields.
     from deployments.embedder import EmbedderConfig
@@ -557,7 +560,7 @@ def test_carpool_layouts_change_only_their_thread_knobs() -> None:
     assert set(layouts.CARPOOL_LAYOUTS) == {
         "carpool",
         "carpool-seqs128",
-        "carpool-fcfs",
+        "carpool-priority",
         "carpool-aging250",
         "carpool-uni2-embed-nice10",
         "carpool-mp-embed-core1",
