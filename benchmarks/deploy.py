@@ -133,10 +133,12 @@ def carpool_embed_args(resources: Resources, batching: dict[str, Any] | None = N
     """``pipelines.embed`` args: serve.yaml's embed entry, with the common resources applied.
 
     Reading serve.yaml means the benchmark measures what ships; ``batching`` overrides the
-    knobs for tuning experiments (its ``ingress`` key, if any, the ingress's settings).
+    knobs for tuning experiments (its ``ingress`` key, if any, the ingress's settings; its
+    ``replica`` key the embedder replica's, applied after the equal-threads pins below).
     """
     batching = dict(batching or {})
     ingress_knobs = batching.pop("ingress", {})
+    replica_knobs = batching.pop("replica", {})
     args, user_config = serve_yaml_embed()
     embedder = dict(args.get("embedder") or {})
     source = dict(embedder.get("source") or {})
@@ -150,7 +152,7 @@ def carpool_embed_args(resources: Resources, batching: dict[str, Any] | None = N
         num_cpus=resources.num_cpus, torch_threads=resources.torch_threads, thread_policy="reserved"
     )
     replica.pop("max_torch_threads", None)
-    embedder["replica"] = replica
+    embedder["replica"] = {**replica, **replica_knobs}
     embedder["batching"] = {
         **(embedder.get("batching") or {}),
         **user_config,

@@ -31,8 +31,8 @@ class SuiteConfig(BaseModel):
     variants: dict[str, dict[str, Any]] = Field(
         default_factory=dict,
         description="Extra carpool deployments 'carpool-<name>' with these batching overrides "
-        "(an 'ingress' key: the ingress's settings), measured in the same run (for tuning); "
-        "the goodput phase measures them beside carpool.",
+        "(an 'ingress' key: the ingress's settings; a 'replica' key: the embedder replica's), "
+        "measured in the same run (for tuning); the goodput phase measures them beside carpool.",
     )
     phases: list[Phase] = Field(
         default_factory=lambda: list(DEFAULT_PHASES),

@@ -673,6 +673,11 @@ applications:
     # A variant's "ingress" key sets the ingress, not the embedder's batching.
     args = deploy.carpool_embed_args(resources, {"ingress": {"cpu_niceness": 0}})
     assert args["ingress"]["cpu_niceness"] == 0 and "ingress" not in args["embedder"]["batching"]
+    # ...and its "replica" key the embedder replica (here serve.yaml's niceness undone).
+    args = deploy.carpool_embed_args(resources, {"replica": {"cpu_niceness": 0}})
+    replica = args["embedder"]["replica"]
+    assert replica["cpu_niceness"] == 0 and replica["thread_policy"] == "reserved"
+    assert "replica" not in args["embedder"]["batching"]
 
 
 def test_a_baseline_that_meets_the_slo_at_no_rate_makes_the_ratio_undefined_not_missed() -> None:
