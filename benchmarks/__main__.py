@@ -99,6 +99,12 @@ def build_parser() -> argparse.ArgumentParser:
     )
     suite.add_argument("--slo-ms", type=float, default=500.0)
     suite.add_argument(
+        "--slo-rate",
+        type=float,
+        help="no SLO search: every system's windows at this offered rate (req/s), to compare "
+        "p99 and slowdown at equal load (a diagnosis; use with --readme no)",
+    )
+    suite.add_argument(
         "--phases",
         default="saturation,slo,goodput,light,burst,bulk",
         help="measured phases to run (comma-separated; the offline limit always runs; also "
@@ -214,6 +220,7 @@ def cmd_suite(args: argparse.Namespace) -> int:
         carpool_batching=args.carpool_batching,
         variants=dict(args.variant),
         slo_ms=args.slo_ms,
+        slo_rate=args.slo_rate,
         phases=[p for p in args.phases.split(",") if p],
         seed=args.seed,
         progress=not args.no_progress,

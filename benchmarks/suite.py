@@ -223,10 +223,11 @@ class Suite:
         )
 
     async def slo(self) -> None:
-        """Search once per system and criterion (short probes), then confirm paired."""
+        """Search once per system and criterion (short probes), then confirm paired; with
+        ``slo_rate`` set, no search: every system's windows run at that one offered rate."""
         c = self.config
         found: dict[str, dict[str, float]] = {}
-        for name in self.embed_systems:
+        for name in self.embed_systems if c.slo_rate is None else []:
             cache: dict[float, dict[str, Any]] = {}
             probes: list[dict[str, Any]] = []
 
@@ -255,6 +256,10 @@ class Suite:
                 guess = result.rate or guess  # the second criterion starts at the first's answer
             self.out.setdefault("slo", {})[name] = {"found": found[name], "probes": probes}
             self.log(f"slo search {name}: {found[name]}")
+        if c.slo_rate is not None:
+            for name in self.embed_systems:
+                found[name] = {"slo_ms": c.slo_rate, "slowdown": c.slo_rate}
+                self.out.setdefault("slo", {})[name] = {"found": found[name], "probes": []}
         for crit in ("slo_ms", "slowdown"):
 
             async def confirm(name: str, r: int, crit: str = crit) -> dict[str, Any]:

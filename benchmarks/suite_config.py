@@ -57,6 +57,14 @@ class SuiteConfig(BaseModel):
     mix: EmbedMix = Field(default_factory=EmbedMix)
     slo_ms: float = Field(default=500.0, gt=0)
     slo_slowdown: float = Field(default=5.0, gt=1, description="p99 slowdown bound.")
+    slo_rate: float | None = Field(
+        default=None,
+        gt=0,
+        le=1000,
+        description="Skip the SLO phase's search: every system's windows run at this offered "
+        "rate (req/s), to compare tails at equal load. Its ratios are then items/s at one "
+        "rate, not the largest rate each system holds: a diagnosis, not a headline.",
+    )
     warmup_s: float = Field(default=4.0, ge=0)
     concurrency: int = Field(default=32, ge=1, description="Closed-loop clients (capacity).")
     search_requests: int = Field(

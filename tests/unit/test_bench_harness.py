@@ -750,3 +750,42 @@ def test_the_harness_is_not_installed_with_the_product() -> None:
         assert not any(fnmatch.fnmatch(package, pattern) for pattern in include), package
     for package in ("carpool", "carpool.generation", "router", "pipelines", "deployments"):
         assert any(fnmatch.fnmatch(package, pattern) for pattern in include), package
+
+
+def test_a_fixed_slo_rate_skips_the_search_and_runs_every_system_at_that_rate() -> None:
+    """``--slo-rate``: no probes; each system's windows run at the one rate, paired in rounds,
+    and the slowdown reuses the same windows (both criteria share the rate)."""
+    from benchmarks.loadgen import Endpoint, LoadResult
+    from benchmarks.stats import RequestRecord
+    from benchmarks.suite import Suite
+    from benchmarks.suite_config import SuiteConfig
+
+    class RecordingLoad:
+        """Answers every request in 50 ms and keeps the label of each run."""
+
+        def __init__(self) -> None:
+            self.labels: list[str] = []
+
+        async def run_open(self, target, requests, times, label, guard):
+            self.labels.append(label)
+            recs = [RequestRecord(i, t, t, t + 0.05, 200, items=1) for i, t in enumerate(times)]
+            return LoadResult(records=recs)
+
+        async def quiesce(self, stats_path, timeout_s):
+            return None
+
+    config = SuiteConfig.quick(systems=["carpool", "naive"], slo_rate=3.0, rounds=2)
+    load = RecordingLoad()
+    out: dict = {}
+    suite = Suite(config, load, out)  # type: ignore[arg-type]
+    for name in ("carpool", "naive"):
+        suite.eps[name] = Endpoint(name, make_target("embed", name, "/x"), suite.pool)
+    suite.idle_ms = {n: dict.fromkeys(range(len(suite.pool)), 20.0) for n in suite.eps}
+    asyncio.run(suite.slo())
+    assert sorted(load.labels) == ["carpool 3.00/s"] * 2 + ["naive 3.00/s"] * 2
+    for name in ("carpool", "naive"):
+        node = out["slo"][name]
+        assert node["probes"] == [] and node["found"] == {"slo_ms": 3.0, "slowdown": 3.0}
+        assert node["slo_ms"]["passed_rounds"] == 2 and node["slowdown"]["passed_rounds"] == 2
+    with pytest.raises(ValueError):
+        SuiteConfig(slo_rate=0)
