@@ -230,6 +230,11 @@ def cmd_suite(args: argparse.Namespace) -> int:
     if args.goodput_clients:
         values["goodput_clients"] = [int(c) for c in args.goodput_clients.split(",") if c]
     config = SuiteConfig.quick(**values) if args.quick else SuiteConfig(**values)
+    writes_readme = args.readme == "yes" or (args.readme == "auto" and not args.quick)
+    if config.slo_rate is not None and writes_readme:
+        # Its SLO figures are items/s at one rate, not each system's largest: not a headline.
+        print("--slo-rate is a diagnosis, not a published run: add --readme no", file=sys.stderr)
+        return 2
     out_dir = args.out or report.new_results_dir()
     out_dir.mkdir(parents=True, exist_ok=True)
     results: dict[str, Any] = {}
@@ -244,7 +249,7 @@ def cmd_suite(args: argparse.Namespace) -> int:
     report.write_json(results, out_dir / "results.json")
     report.suite_plots(results, out_dir)
     (out_dir / "report.md").write_text(report.suite_markdown(results))
-    if args.readme == "yes" or (args.readme == "auto" and not args.quick):
+    if writes_readme:
         report.suite_plots(results, report.REPORT_DIR)
         report.write_readme(results)
         print(f"updated {report.README} and {report.REPORT_DIR}/")

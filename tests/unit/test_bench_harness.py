@@ -789,3 +789,12 @@ def test_a_fixed_slo_rate_skips_the_search_and_runs_every_system_at_that_rate() 
         assert node["slo_ms"]["passed_rounds"] == 2 and node["slowdown"]["passed_rounds"] == 2
     with pytest.raises(ValueError):
         SuiteConfig(slo_rate=0)
+
+
+def test_a_fixed_slo_rate_run_refuses_to_write_the_published_readme(capsys: pytest.CaptureFixture[str]) -> None:
+    """Its SLO figures are items/s at one rate: it must not become benchmarks/README.md's
+    headline, so without ``--readme no`` it stops before deploying anything."""
+    from benchmarks.__main__ import main
+
+    assert main(["suite", "--slo-rate", "5"]) == 2
+    assert "--readme no" in capsys.readouterr().err
