@@ -791,7 +791,9 @@ def test_a_fixed_slo_rate_skips_the_search_and_runs_every_system_at_that_rate() 
         SuiteConfig(slo_rate=0)
 
 
-def test_a_fixed_slo_rate_run_refuses_to_write_the_published_readme(capsys: pytest.CaptureFixture[str]) -> None:
+def test_a_fixed_slo_rate_run_refuses_to_write_the_published_readme(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
     """Its SLO figures are items/s at one rate: it must not become benchmarks/README.md's
     headline, so without ``--readme no`` it stops before deploying anything."""
     from benchmarks.__main__ import main
