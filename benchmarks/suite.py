@@ -222,44 +222,46 @@ class Suite:
             + ", ".join(f"{n} {v['p50_ms']:.0f} ms" for n, v in self.out["idle"].items())
         )
 
+    async def search_rates(self, name: str) -> tuple[dict[str, float], list[dict[str, Any]]]:
+        """The largest rate ``name`` holds for each criterion, from short probes; and the probes."""
+        c = self.config
+        cache: dict[float, dict[str, Any]] = {}
+        probes: list[dict[str, Any]] = []
+
+        async def probe_at(rate: float) -> dict:
+            key = round(rate, 3)
+            if key not in cache:
+                d = min(c.search_requests / rate, c.search_max_s)
+                cache[key] = await self.slo_window(name, rate, d, guard=True)
+                probes.append(cache[key])
+                await self.quiesce(name)
+            return cache[key]
+
+        found: dict[str, float] = {}
+        guess = 0.7 * (self.capacity_rps(name) or 1.0)  # open loop saturates below closed loop
+        for crit in ("slo_ms", "slowdown"):
+
+            async def probe(rate: float, crit: str = crit) -> Probe:
+                w = await probe_at(rate)
+                return Probe(rate, bool(w[f"passed_{crit}"]), w)
+
+            result = await find_max_rate(probe, guess, c.max_probes, growth=1.4, resolution=0.1)
+            found[crit] = result.rate
+            guess = result.rate or guess  # the second criterion starts at the first's answer
+        self.log(f"slo search {name}: {found}")
+        return found, probes
+
     async def slo(self) -> None:
         """Search once per system and criterion (short probes), then confirm paired; with
         ``slo_rate`` set, no search: every system's windows run at that one offered rate."""
         c = self.config
         found: dict[str, dict[str, float]] = {}
-        for name in self.embed_systems if c.slo_rate is None else []:
-            cache: dict[float, dict[str, Any]] = {}
-            probes: list[dict[str, Any]] = []
-
-            async def probe_at(
-                rate: float, name: str = name, cache: dict = cache, probes: list = probes
-            ) -> dict:
-                key = round(rate, 3)
-                if key not in cache:
-                    d = min(c.search_requests / rate, c.search_max_s)
-                    cache[key] = await self.slo_window(name, rate, d, guard=True)
-                    probes.append(cache[key])
-                    await self.quiesce(name)
-                return cache[key]
-
-            cap = self.capacity_rps(name) or 1.0
-            found[name] = {}
-            guess = 0.7 * cap  # open-loop capacity sits below closed-loop saturation
-            for crit in ("slo_ms", "slowdown"):
-
-                async def probe(rate: float, crit: str = crit) -> Probe:
-                    w = await probe_at(rate)
-                    return Probe(rate, bool(w[f"passed_{crit}"]), w)
-
-                result = await find_max_rate(probe, guess, c.max_probes, growth=1.4, resolution=0.1)
-                found[name][crit] = result.rate
-                guess = result.rate or guess  # the second criterion starts at the first's answer
+        for name in self.embed_systems:
+            if c.slo_rate is None:
+                found[name], probes = await self.search_rates(name)
+            else:
+                found[name], probes = {"slo_ms": c.slo_rate, "slowdown": c.slo_rate}, []
             self.out.setdefault("slo", {})[name] = {"found": found[name], "probes": probes}
-            self.log(f"slo search {name}: {found[name]}")
-        if c.slo_rate is not None:
-            for name in self.embed_systems:
-                found[name] = {"slo_ms": c.slo_rate, "slowdown": c.slo_rate}
-                self.out.setdefault("slo", {})[name] = {"found": found[name], "probes": []}
         for crit in ("slo_ms", "slowdown"):
 
             async def confirm(name: str, r: int, crit: str = crit) -> dict[str, Any]:

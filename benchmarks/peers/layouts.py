@@ -89,9 +89,9 @@ def priority_layout(config: dict[str, Any]) -> None:
     (predicted length, or a request's ``max_tokens`` without the router's prediction, aging
     like the router's lanes) instead of vLLM's arrival order: serve.yaml's small engine until
     2026-11-29 (``carpool-fcfs`` in the results before that day was today's default)."""
-    small = app_entry(config, "generate")["args"]["small"]
-    aging = app_entry(config, "generate")["args"]["router"]["aging_tokens_per_s"]
-    small.setdefault("vllm", {}).update(priority_scheduling=True, aging_tokens_per_s=aging)
+    args = app_entry(config, "generate")["args"]
+    aging = args["router"]["aging_tokens_per_s"]
+    args["small"].setdefault("vllm", {}).update(priority_scheduling=True, aging_tokens_per_s=aging)
 
 
 def engine_aging_layout(config: dict[str, Any]) -> None:
@@ -99,8 +99,7 @@ def engine_aging_layout(config: dict[str, Any]) -> None:
     the engine decodes a second on this box) instead of the router lanes' 5: a long request
     waits behind shorter newcomers at most ~1 s, not ~50 s."""
     priority_layout(config)
-    small = app_entry(config, "generate")["args"]["small"]
-    small["vllm"]["aging_tokens_per_s"] = 250.0
+    app_entry(config, "generate")["args"]["small"]["vllm"]["aging_tokens_per_s"] = 250.0
 
 
 def embedder_priority_layout(**replica: Any) -> Callable[[dict[str, Any]], None]:

@@ -789,6 +789,17 @@ def test_a_fixed_slo_rate_skips_the_search_and_runs_every_system_at_that_rate() 
         assert node["slo_ms"]["passed_rounds"] == 2 and node["slowdown"]["passed_rounds"] == 2
     with pytest.raises(ValueError):
         SuiteConfig(slo_rate=0)
+    # Without it, each system is searched with short probes first, then confirmed at the rate.
+    load.labels.clear()
+    suite = Suite(SuiteConfig.quick(systems=["carpool"], rounds=1), load, out := {})  # type: ignore[arg-type]
+    suite.eps["carpool"] = Endpoint("carpool", make_target("embed", "carpool", "/x"), suite.pool)
+    suite.idle_ms = {"carpool": dict.fromkeys(range(len(suite.pool)), 20.0)}
+    asyncio.run(suite.slo())
+    node = out["slo"]["carpool"]
+    assert len(node["probes"]) >= 2 and node["found"]["slo_ms"] > 0.7  # passed: searched up
+    # The probes (cached across the two criteria), then one window at each criterion's rate.
+    confirmed = load.labels[len(node["probes"]) :]
+    assert confirmed == [f"carpool {node['found'][k]:.2f}/s" for k in ("slo_ms", "slowdown")]
 
 
 def test_a_fixed_slo_rate_run_refuses_to_write_the_published_readme(
