@@ -45,10 +45,15 @@ GPU_IMAGE = "ghcr.io/<you>/carpool:0.1.0"
 CPU_IMAGE = "ghcr.io/<you>/carpool-cpu:0.1.0"
 # Fixed tags: a node pulls each once. Re-push under a new tag for a new build.
 PULL_POLICY = "IfNotPresent"
-# The node these pods are sized for (docs/gpu.md): one GPU of 24 GB (A10G, L4) with 8 vCPUs
-# and 32 GiB, e.g. AWS g5.2xlarge, as in cluster.yaml. The pod asks for what is left after
-# the kubelet, the device plugin and daemonsets (about 1 vCPU and 4 GiB).
+# The nodes these pods are sized for (docs/gpu.md): one GPU of 24 GB (A10G, L4) with 8 vCPUs
+# and 32 GiB, e.g. AWS g5.2xlarge, as in cluster.yaml, and a CPU node of 8 vCPUs and 32 GiB
+# (m6i.2xlarge) for the head and the ingress workers. Kubernetes schedules by requests against
+# a node's allocatable, not its size: EKS and GKE keep 90m of an 8-vCPU node (7,910m left),
+# and daemonsets (kube-proxy, the CNI, logging and metrics agents, the GPU device plugin) ask
+# for a few hundred more. So no pod asks for more than 7 CPUs and 26 GiB
+# (tests/unit/test_kuberay.py sums them against each node's allocatable).
 GPU_NODE = {"instance": "g5.2xlarge", "cpus": 8, "memory_gib": 32, "gpu_gib": 24}
+CPU_NODE = {"instance": "m6i.2xlarge", "cpus": 8, "memory_gib": 32}
 # Secrets the user creates before `kubectl apply` (docs/kuberay/README.md). KubeRay reads the
 # Ray token from the data key `auth_token`; carpool reads `keys` as CARPOOL_API_KEYS.
 RAY_TOKEN_SECRET = "carpool-ray-token"
@@ -204,7 +209,10 @@ workerGroupSpecs:
 # and GPU workers with `carpool_gpu_node` (the models); serve-gpu.yaml places every replica
 # by these resources. The GPU pod fills a GPU_NODE: 7 of its 8 vCPUs
 # (four replicas at num_cpus 1, two vLLM engine cores, Ray's agents and HAProxy) and 26 GiB
-# of its 32, of which up to 8 GiB object store in /dev/shm.
+# of its 32, of which up to 8 GiB object store in /dev/shm. The ingress pod fills a CPU_NODE
+# the same way: 7 CPUs, one `carpool_ingress` a CPU. serve-gpu.yaml's ingresses take 8 units
+# and the head offers 4, so one ingress pod always runs (minReplicas 1): the apps start with
+# the head's 4 and its 7, without waiting for the autoscaler.
 GPU_CLUSTER = """\
 enableInTreeAutoscaling: true
 headGroupSpec:
@@ -229,15 +237,15 @@ headGroupSpec:
 workerGroupSpecs:
   # Ingress replicas past the head's 4 (serve-gpu.yaml's 8, or a planned config's more:
   # docs/planning.md), one core each, and each pod's own HAProxy. CPU only: losing a GPU pod
-  # never takes the requests an ingress holds.
+  # never takes the requests an ingress holds. One always runs: serve-gpu.yaml's 8 need it.
   - groupName: ingress
     replicas: 1
-    minReplicas: 0
+    minReplicas: 1
     maxReplicas: 4
     rayStartParams:
-      num-cpus: "8"
+      num-cpus: "7"
       num-gpus: "0"
-      resources: '"{{\\"carpool_ingress\\": 8}}"'
+      resources: '"{{\\"carpool_ingress\\": 7}}"'
     template:
       spec:
         containers:
@@ -247,8 +255,8 @@ workerGroupSpecs:
 {worker_env}
 {worker_mounts}
             resources:
-              requests: {{cpu: "8", memory: 16Gi}}
-              limits: {{cpu: "8", memory: 16Gi}}
+              requests: {{cpu: "7", memory: 16Gi}}
+              limits: {{cpu: "7", memory: 16Gi}}
 {worker_volumes_4g}
   # One GPU a pod (24 GB, an A10G's worth, fits embedder + ranker + one small + one large
   # replica at serve-gpu.yaml's fractions and memory budgets); Serve's autoscaling adds pods

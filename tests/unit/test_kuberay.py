@@ -352,3 +352,132 @@ def test_the_gpu_manifest_names_the_image_the_dockerfile_builds() -> None:
     assert {c["image"] for c in _containers(_load(GPU_MANIFEST))} == {image}
     assert f"docker build -t {image} ." in _dockerfile()
     assert f"docker push {image}" in _dockerfile()
+
+
+# Every pod schedulable on the nodes the docs name, and enough ingress units (issue 52, 3).
+
+# What a node offers pods: its allocatable CPU (millicores) and memory (GiB), and GPUs.
+# Both EKS and GKE reserve 90m of an 8-vCPU node for the kubelet and the OS (EKS's AMI: 6% of
+# the first core, 1% of the second, 0.5% of the next two, 0.25% of the rest; GKE the same
+# table), so 7,910m. Memory: GKE keeps 25% of the first 4 GiB, 20% of the next 4, 10% of the
+# next 8, 6% of the rest, plus 100 MiB for eviction (28.3 of 32 GiB); EKS keeps less
+# (255 MiB + 11 MiB a pod), so 28 GiB holds for both.
+ALLOCATABLE = {
+    # AWS
+    "m6i.2xlarge": {"cpu_m": 7910, "memory_gib": 28.0, "gpus": 0},
+    "g5.2xlarge": {"cpu_m": 7910, "memory_gib": 28.0, "gpus": 1},
+    "g6.2xlarge": {"cpu_m": 7910, "memory_gib": 28.0, "gpus": 1},
+    # GCP
+    "n2-standard-8": {"cpu_m": 7910, "memory_gib": 28.0, "gpus": 0},
+    "g2-standard-8": {"cpu_m": 7910, "memory_gib": 28.0, "gpus": 1},
+}
+# What daemonsets take from every node before carpool's pod lands (an assumption, not a
+# measurement): kube-proxy 100m, the CNI (aws-node 25m), the CSI node driver, logging and
+# metrics agents, and on GPU nodes the device plugin and GKE's driver installer.
+DAEMONSETS = {"cpu_m": 800, "memory_gib": 1.0}
+
+
+def _cpu_m(quantity: str | int | float) -> float:
+    text = str(quantity)
+    return float(text[:-1]) if text.endswith("m") else float(text) * 1000
+
+
+def _memory_gib(quantity: str) -> float:
+    number, unit = re.fullmatch(r"([\d.]+)(Gi|Mi|G|M)?", str(quantity)).groups()  # type: ignore[union-attr]
+    scale = {"Gi": 1, "Mi": 1 / 1024, "G": 1e9 / 2**30, "M": 1e6 / 2**30, None: 1 / 2**30}
+    return float(number) * scale[unit]
+
+
+def _pod_requests(group: dict[str, Any]) -> dict[str, float]:
+    """A pod's requests as the scheduler sums them: every container's (init containers are
+    counted at their largest, which KubeRay's pods do not have)."""
+    spec = group["template"]["spec"]
+    total = {"cpu_m": 0.0, "memory_gib": 0.0, "gpus": 0.0}
+    for container in spec["containers"]:
+        requests = container["resources"]["requests"]
+        total["cpu_m"] += _cpu_m(requests["cpu"])
+        total["memory_gib"] += _memory_gib(requests["memory"])
+        total["gpus"] += float(requests.get("nvidia.com/gpu", 0))
+    return total
+
+
+def _fits(requests: dict[str, float], node: dict[str, float]) -> bool:
+    return (
+        requests["cpu_m"] <= node["cpu_m"] - DAEMONSETS["cpu_m"]
+        and requests["memory_gib"] <= node["memory_gib"] - DAEMONSETS["memory_gib"]
+        and requests["gpus"] <= node["gpus"]
+    )
+
+
+def _nodes_for(requests: dict[str, float]) -> dict[str, dict[str, float]]:
+    """The documented nodes a pod goes to: GPU nodes for a GPU pod, CPU nodes otherwise."""
+    wants_gpu = requests["gpus"] > 0
+    return {k: n for k, n in ALLOCATABLE.items() if (n["gpus"] > 0) == wants_gpu}
+
+
+def test_every_pod_fits_every_documented_node_of_its_kind(
+    each_manifest: tuple[Path, dict[str, Any]],
+) -> None:
+    path, manifest = each_manifest
+    for group in _groups(manifest):
+        requests = _pod_requests(group)
+        name = group.get("groupName", "head")
+        for instance, node in _nodes_for(requests).items():
+            assert _fits(requests, node), (
+                f"docs/kuberay/{path.name}: the {name} pod asks for {requests['cpu_m']:.0f}m "
+                f"CPU and {requests['memory_gib']:.1f} GiB; a {instance} leaves pods "
+                f"{node['cpu_m'] - DAEMONSETS['cpu_m']:.0f}m and "
+                f"{node['memory_gib'] - DAEMONSETS['memory_gib']:.1f} GiB after the kubelet "
+                "and daemonsets: lower its requests in make_rayservice.py"
+            )
+        # Ray's logical CPUs are what the pod gets, never more (KubeRay passes num-cpus on).
+        assert float(group["rayStartParams"]["num-cpus"]) * 1000 <= requests["cpu_m"]
+
+
+def test_the_fit_check_refuses_a_pod_that_asks_for_the_whole_node() -> None:
+    # The ingress pod as it was: 8 CPUs on an 8-vCPU node stays Pending.
+    whole = {"cpu_m": 8000.0, "memory_gib": 16.0, "gpus": 0.0}
+    assert not any(_fits(whole, n) for n in _nodes_for(whole).values())
+    assert _cpu_m("7910m") == 7910 and _memory_gib("512Mi") == 0.5
+
+
+def test_the_generator_names_the_nodes_the_table_holds() -> None:
+    generator = _generator()
+    assert generator.GPU_NODE["instance"] in ALLOCATABLE
+    assert generator.CPU_NODE["instance"] in ALLOCATABLE
+    assert ALLOCATABLE[generator.GPU_NODE["instance"]]["gpus"] >= 1
+
+
+def test_the_gpu_manifests_pods_offer_the_ingress_units_serve_gpu_yaml_takes() -> None:
+    """serve-gpu.yaml's ingress replicas each take one `carpool_ingress`; the pods that are
+    up at the groups' minimum (and fit their nodes) must offer them, or replicas stay pending
+    and the RayService never becomes ready."""
+    from tests.unit.test_cluster_config import _head_units_asked
+
+    manifest = _load(GPU_MANIFEST)
+    served = yaml.safe_load(manifest["spec"]["serveConfigV2"])
+    asked = _head_units_asked(served, "carpool_ingress")
+    whole_replicas = 0  # ingress replicas, each a whole unit
+    for app in served["applications"]:
+        if (app["args"].get("ingress", {}).get("resources") or {}).get("carpool_ingress", 0) >= 1:
+            counts = [d.get("num_replicas", 1) for d in app.get("deployments") or []]
+            names = [d["name"] for d in app.get("deployments") or []]
+            ingress = [c for c, n in zip(counts, names, strict=True) if n.endswith("_ingress")]
+            whole_replicas += ingress[0] if ingress else 1
+    offered, slots = 0.0, 0
+    for group in _groups(manifest):
+        units = _custom_resources(group).get("carpool_ingress", 0)
+        pods = group.get("minReplicas", 1)  # the head: always one
+        requests = _pod_requests(group)
+        if not all(_fits(requests, n) for n in _nodes_for(requests).values()):
+            continue  # a pod no documented node can hold offers nothing
+        offered += pods * units
+        slots += pods * int(units)
+    assert asked >= whole_replicas > 0  # the walk found the ingresses
+    assert asked <= offered, (
+        f"serve-gpu.yaml's ingresses take {asked} carpool_ingress; the schedulable pods at "
+        f"their groups' minReplicas offer {offered}: raise the ingress group's minReplicas or "
+        "its carpool_ingress in make_rayservice.py"
+    )
+    # One replica needs one whole unit on one pod: fractions left on several pods do not add.
+    assert whole_replicas <= slots
