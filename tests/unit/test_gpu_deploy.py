@@ -63,10 +63,53 @@ def test_rays_aws_node_provider_needs_boto3_and_the_head_has_it() -> None:
     cluster = _cluster()
     assert cluster["provider"]["type"] == "aws"
     # The head runs the image: the image installs boto3, and the head's setup checks it.
-    assert re.search(r'pip install [^\n]*"boto3[^"]*"', _dockerfile())
+    (image_pip,) = re.findall(r"pip install [^\n]*-e '\.\[[^\]]*\]'", _dockerfile())
+    assert "boto3" in _installed_by(image_pip)
     assert any("import boto3" in c for c in cluster["head_setup_commands"])
     # `make gpu-node` (a node without Docker) installs it too.
-    assert any("pip install" in line and '"boto3' in line for line in _gpu_node_recipe())
+    assert any("boto3" in _installed_by(line) for line in _gpu_node_recipe() if "-e '." in line)
+
+
+def _installed_by(pip_line: str) -> set[str]:
+    """The distributions `pip install -e '.[extras]'` in ``pip_line`` brings beside carpool's
+    own dependencies: the extras' requirements, a `carpool[other]` among them followed."""
+    import tomllib
+
+    optional = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"][
+        "optional-dependencies"
+    ]
+    match = re.search(r"-e '\.\[([^\]]*)\]'", pip_line)
+    todo, seen, names = list(match.group(1).split(",")) if match else [], set(), set()
+    while todo:
+        extra = todo.pop().strip()
+        if extra in seen:
+            continue
+        seen.add(extra)
+        for requirement in optional[extra]:
+            name = re.match(r"[\w.-]+", requirement).group(0).lower()
+            own = re.fullmatch(r"carpool\[([^\]]+)\]", requirement.replace(" ", ""))
+            if own:
+                todo.extend(own.group(1).split(","))
+            else:
+                names.add(name)
+    return names
+
+
+def test_ray_up_runs_where_make_install_installed_boto3() -> None:
+    """`ray up cluster.yaml` imports Ray's AWS node provider, and so boto3, on the machine
+    that runs it: the project's venv (`make install`) must have it, and docs/cluster.md says
+    how a launcher installs it."""
+    (install,) = [
+        line for line in _make_target("$(INSTALLED)") if "pip install" in line and "-e '." in line
+    ]
+    assert "boto3" in _installed_by(install), (
+        f"`make install` runs {install!r}, which brings no boto3: `ray up cluster.yaml` from "
+        "the venv fails importing Ray's AWS node provider; add the `cluster` extra to `dev`"
+    )
+    assert _installed_by("pip install -e '.[cluster]'") == {"boto3"}
+    guide = (ROOT / "docs" / "cluster.md").read_text()
+    assert "pip install -e '.[cluster]'" in guide and "boto3" in guide
+    assert ".venv/bin/ray up cluster.yaml" in guide
 
 
 # 2. Triton builds a C launcher against Python.h.

@@ -335,7 +335,7 @@ def test_the_image_is_rays_own_at_the_pinned_ray() -> None:
 
 def test_the_image_installs_vllms_cuda_build_and_the_pinned_models() -> None:
     dockerfile = _dockerfile()
-    assert re.search(r"pip install [^\n]*-e '\.\[vllm,models\]'", dockerfile)
+    assert re.search(r"pip install [^\n]*-e '\.\[vllm,models,cluster\]'", dockerfile)
     makefile = (ROOT / "Makefile").read_text()
     install = makefile.split("$(INSTALLED):", 1)[1].split("\n\n", 1)[0]
     for pin in re.findall(r'"([\w-]+==[\w.]+)"', install):
