@@ -45,6 +45,15 @@ GPU_IMAGE = "ghcr.io/<you>/carpool:0.1.0"
 CPU_IMAGE = "ghcr.io/<you>/carpool-cpu:0.1.0"
 # Fixed tags: a node pulls each once. Re-push under a new tag for a new build.
 PULL_POLICY = "IfNotPresent"
+# GHCR makes a pushed package private. Either make it public (docs/gpu.md, "Image") or create
+# this docker-registry Secret (docs/kuberay/README.md): every pod names it, and a kubelet that
+# cannot find it warns (FailedToRetrieveImagePullSecret) and pulls without credentials, so a
+# public image needs no Secret.
+PULL_SECRET = "carpool-registry"
+PULL_SECRETS = f"""\
+imagePullSecrets:
+  - {{name: {PULL_SECRET}}}
+"""
 # The nodes these pods are sized for (docs/gpu.md): one GPU of 24 GB (A10G, L4) with 8 vCPUs
 # and 32 GiB, e.g. AWS g5.2xlarge, as in cluster.yaml, and a CPU node of 8 vCPUs and 32 GiB
 # (m6i.2xlarge) for the head and the ingress workers. Kubernetes schedules by requests against
@@ -171,6 +180,7 @@ headGroupSpec:
     num-cpus: "2"
   template:
     spec:
+{head_pull_secrets}
       containers:
         - name: ray-head
           image: {image}
@@ -191,6 +201,7 @@ workerGroupSpecs:
       num-cpus: "2"
     template:
       spec:
+{worker_pull_secrets}
         containers:
           - name: ray-worker
             image: {image}
@@ -223,6 +234,7 @@ headGroupSpec:
     resources: '"{{\\"carpool_head_node\\": 1, \\"carpool_ingress\\": 4}}"'
   template:
     spec:
+{head_pull_secrets}
       containers:
         - name: ray-head
           image: {image}
@@ -248,6 +260,7 @@ workerGroupSpecs:
       resources: '"{{\\"carpool_ingress\\": 7}}"'
     template:
       spec:
+{worker_pull_secrets}
         containers:
           - name: ray-worker
             image: {image}
@@ -271,6 +284,7 @@ workerGroupSpecs:
       resources: '"{{\\"carpool_gpu_node\\": 1}}"'
     template:
       spec:
+{worker_pull_secrets}
 {gpu_tolerations}
         containers:
           - name: ray-worker
@@ -369,6 +383,8 @@ def render(serve_yaml: str, manifest: Manifest = MANIFESTS[0]) -> str:
         worker_env=_indent(container_env(serve_config), 12),
         worker_mounts=_indent(SHM_MOUNT, 12),
         gpu_tolerations=_indent(GPU_TOLERATIONS, 8),
+        head_pull_secrets=_indent(PULL_SECRETS, 6),
+        worker_pull_secrets=_indent(PULL_SECRETS, 8),
         **{
             f"{where}_volumes_{size}": _indent(SHM_VOLUME.format(size=size.upper() + "i"), n)
             for where, n in (("head", 6), ("worker", 8))

@@ -152,6 +152,43 @@ def test_every_pod_image_is_pullable_with_a_pull_policy(path: Path) -> None:
             assert container.get("imagePullPolicy") in ("IfNotPresent", "Always"), container
 
 
+PULL_SECRET = "carpool-registry"
+IMAGE = "ghcr.io/<you>/carpool:0.1.0"
+
+
+@pytest.mark.parametrize("path", MANIFESTS, ids=lambda p: p.name)
+def test_every_pod_can_pull_a_private_image_with_the_documented_secret(path: Path) -> None:
+    """GHCR makes a pushed package private: every pod names the pull Secret the docs create
+    (a public image needs none; the kubelet warns and pulls anonymously without it)."""
+    manifest = yaml.safe_load(path.read_text())
+    cluster = manifest["spec"]["rayClusterConfig"]
+    for group in [cluster["headGroupSpec"], *cluster["workerGroupSpecs"]]:
+        secrets = group["template"]["spec"].get("imagePullSecrets") or []
+        assert {"name": PULL_SECRET} in secrets, (
+            f"docs/kuberay/{path.name}: the {group.get('groupName', 'head')} pod names no "
+            f"imagePullSecrets {PULL_SECRET}: a private image stays ImagePullBackOff"
+        )
+    create = f"kubectl create secret docker-registry {PULL_SECRET} --docker-server=ghcr.io"
+    assert create in (KUBERAY / "README.md").read_text()
+    assert create in (ROOT / "docs" / "cluster.md").read_text()
+
+
+def test_the_docs_make_the_image_pullable_without_a_login_for_ray_up() -> None:
+    """cluster.yaml's hosts pull with no registry login, so the docs make the package public
+    and check it logged out, where `ray up` is described."""
+    cluster = _cluster()
+    assert cluster["docker"]["image"] == IMAGE and cluster["docker"]["pull_before_run"]
+    assert not any("docker login" in c for c in cluster.get("initialization_commands", []))
+    check = f"docker logout ghcr.io && docker pull {IMAGE}"
+    gpu = (ROOT / "docs" / "gpu.md").read_text()
+    assert check in gpu and "**Package settings**" in gpu and "→ **Public**" in gpu
+    assert check in (ROOT / "docs" / "cluster.md").read_text()
+    assert check in (ROOT / "cluster.yaml").read_text()
+    # Nothing private goes into a public image.
+    ignored = (ROOT / ".dockerignore").read_text().split()
+    assert {".git", ".venv", "**/auth_token", "**/api_keys"} <= set(ignored)
+
+
 # 4. The driver against torch's CUDA.
 
 
