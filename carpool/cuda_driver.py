@@ -9,6 +9,13 @@ torch needs, and the driver that CUDA needs.
     python -m carpool.cuda_driver                 # exit 1 when the driver is too old
     python -m carpool.cuda_driver --require-gpu   # and when there is no NVIDIA driver at all
     python3 carpool/cuda_driver.py --cuda 13.0     # before torch is installed (stdlib only)
+
+``make gpu-node`` also asks it two things pip answers too late: whether the Python that will
+hold the venv is one carpool and vLLM install on (``--python``: Ubuntu 22.04's python3 is
+3.10, and pip's refusal names neither the fix nor the package), and whether the installed
+torch is a CUDA build (``--require-cuda-torch``: a CPU build 2.13.0+cpu satisfies vLLM's
+``torch==2.13.0`` pin, so pip keeps it). It runs as a plain script under whatever python3
+the machine has, so it stays stdlib-only and free of syntax newer than Python 3.8.
 """
 
 from __future__ import annotations
@@ -26,6 +33,10 @@ from pathlib import Path
 MIN_DRIVER = {11: (450, 80, 2), 12: (525, 60, 13), 13: (580, 65, 6)}
 
 PROC_VERSION = Path("/proc/driver/nvidia/version")
+
+# pyproject.toml's requires-python (asyncio.timeout) and vllm==0.32.0's: the oldest Python the
+# GPU venv can be made with. tests/unit/test_gpu_deploy.py fails when the two drift apart.
+MIN_PYTHON = (3, 11)
 
 
 def parse_version(text: str) -> tuple[int, ...]:
@@ -116,6 +127,50 @@ def driver_problem(driver: str | None, cuda: str | None, require_gpu: bool = Fal
     return None
 
 
+def python_problem(
+    version: tuple[int, ...] | None = None, executable: str | None = None
+) -> str | None:
+    """Why this Python cannot hold carpool's GPU venv (a sentence naming the fix), or None."""
+    version = tuple(sys.version_info[:3]) if version is None else tuple(version)
+    if version[:2] >= MIN_PYTHON:
+        return None
+    have = ".".join(str(part) for part in version)
+    need = ".".join(str(part) for part in MIN_PYTHON)
+    return (
+        f"{executable or sys.executable} is Python {have}; carpool and vLLM 0.32 need "
+        f"Python {need} or newer, and pip would refuse only after downloading. Install "
+        f"python{need} with its venv and headers (Ubuntu 22.04: `sudo add-apt-repository -y "
+        f"ppa:deadsnakes/ppa && sudo apt-get install -y python{need} python{need}-venv "
+        f"python{need}-dev`), remove a .venv made by the old Python (`rm -rf .venv`), then "
+        f"run `PYTHON=python{need} make gpu-node`"
+    )
+
+
+def torch_problem(torch_version: str | None, cuda: str | None) -> str | None:
+    """Why the installed torch cannot drive the GPU (a sentence naming the fix), or None."""
+    if torch_version is None:
+        return "torch is not installed in this Python: run `make gpu-node`"
+    if cuda is None:
+        return (
+            f"torch {torch_version} in {sys.executable} is a CPU build: it satisfies vLLM's "
+            "torch==2.13.0 pin, so pip kept it, and every GPU replica would run without CUDA. "
+            f"Remove it (`{sys.executable} -m pip uninstall -y torch`) and what made pip "
+            "choose it (a CPU index or find-links in `pip config list`, or PIP_* variables), "
+            "then rerun `make gpu-node`: PyPI's torch 2.13.0 for Linux is the CUDA build"
+        )
+    return None
+
+
+def installed_torch() -> str | None:
+    """The installed torch's version ('2.13.0+cpu') from its metadata, without importing it."""
+    from importlib import metadata
+
+    try:
+        return metadata.version("torch")
+    except metadata.PackageNotFoundError:
+        return None
+
+
 def check(require_gpu: bool = False) -> None:
     """Raises ``RuntimeError`` with ``driver_problem``'s sentence, if there is one."""
     problem = driver_problem(driver_version(), torch_cuda_version(), require_gpu)
@@ -133,9 +188,24 @@ def main(argv: list[str] | None = None) -> int:
         help="check against this CUDA version instead of the installed torch's (before "
         "torch is installed: `make gpu-node` passes the CUDA that vLLM's torch pin brings)",
     )
+    parser.add_argument(
+        "--python",
+        action="store_true",
+        help="first refuse a Python older than carpool's GPU venv needs (run by the python3 "
+        "that `make gpu-node` will make the venv with)",
+    )
+    parser.add_argument(
+        "--require-cuda-torch",
+        action="store_true",
+        help="refuse an installed torch without CUDA (a CPU build kept by pip)",
+    )
     args = parser.parse_args(argv)
+    problem = python_problem() if args.python else None
+    if problem is None and args.require_cuda_torch:
+        problem = torch_problem(installed_torch(), torch_cuda_version())
     driver, cuda = driver_version(), args.cuda or torch_cuda_version()
-    problem = driver_problem(driver, cuda, args.require_gpu)
+    if problem is None:
+        problem = driver_problem(driver, cuda, args.require_gpu)
     if problem is not None:
         print(f"refused: {problem}", file=sys.stderr)
         return 1

@@ -239,6 +239,96 @@ def test_no_gpu_here_is_refused_by_the_command_gpu_nodes_run() -> None:
     assert done.returncode == 1 and "no NVIDIA driver" in done.stderr
 
 
+# 4b. `make gpu-node` on Ubuntu 22.04 (python3 is 3.10) and beside a CPU torch (issue 52).
+
+
+def test_make_gpu_node_checks_the_python_before_it_makes_or_fills_a_venv() -> None:
+    recipe = _make_target("$(GPU_INSTALLED)")
+    first = recipe[0]
+    assert first.startswith("$(PYTHON) carpool/cuda_driver.py") and "--python" in first.split(), (
+        f"$(GPU_INSTALLED) starts with {first!r}: a Python 3.10 gets as far as pip"
+    )
+    venv = next(i for i, line in enumerate(recipe) if "-m venv" in line)
+    pips = [i for i, line in enumerate(recipe) if "pip install" in line]
+    # A .venv an older Python made (an earlier `make install`) is refused too.
+    (venv_check,) = [
+        i for i, line in enumerate(recipe) if line == "$(PY) carpool/cuda_driver.py --python"
+    ]
+    assert venv < venv_check < min(pips)
+
+
+def _run_cuda_driver_as(version: tuple[int, int, int], *args: str) -> subprocess.CompletedProcess:
+    """carpool/cuda_driver.py run as the Makefile runs it, by a Python reporting ``version``."""
+    script = (
+        "import runpy, sys; "
+        f"sys.version_info = {(*version, 'final', 0)!r}; "
+        f"sys.argv = ['cuda_driver.py', *{list(args)!r}]; "
+        f"runpy.run_path({str(ROOT / 'carpool' / 'cuda_driver.py')!r}, run_name='__main__')"
+    )
+    return subprocess.run([sys.executable, "-c", script], capture_output=True, text=True)
+
+
+def test_an_old_python_is_refused_with_the_fix_named() -> None:
+    done = _run_cuda_driver_as((3, 10, 12), "--python")
+    assert done.returncode == 1, done.stderr
+    for words in (
+        "Python 3.10.12",
+        "3.11 or newer",
+        "PYTHON=python3.11 make gpu-node",
+        "ppa:deadsnakes/ppa",
+        "python3.11 python3.11-venv python3.11-dev",
+        "rm -rf .venv",
+    ):
+        assert words in done.stderr, (words, done.stderr)
+    assert _run_cuda_driver_as((3, 11, 9), "--python").returncode == 0
+    assert cuda_driver.python_problem((3, 12, 0)) is None
+
+
+def test_the_version_check_runs_on_the_pythons_it_refuses() -> None:
+    """`$(PYTHON) carpool/cuda_driver.py` runs under Ubuntu 22.04's 3.10 (and older): no
+    syntax newer than 3.8, and the minimum is pyproject.toml's."""
+    import ast
+    import tomllib
+
+    source = (ROOT / "carpool" / "cuda_driver.py").read_text()
+    ast.parse(source, feature_version=(3, 8))
+    assert "from __future__ import annotations" in source  # `str | None` stays unevaluated
+    requires = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["requires-python"]
+    assert requires == ">=" + ".".join(map(str, cuda_driver.MIN_PYTHON))
+
+
+def test_a_cpu_torch_is_replaced_before_and_refused_after_installing() -> None:
+    recipe = _make_target("$(GPU_INSTALLED)")
+    install = next(i for i, line in enumerate(recipe) if "-e '.[vllm" in line)
+    (drop,) = [i for i, line in enumerate(recipe) if "$(CPU_TORCH_CHECK)" in line]
+    assert drop < install and "pip uninstall -y" in recipe[drop]
+    refuse = [i for i, line in enumerate(recipe) if "--require-cuda-torch" in line]
+    assert refuse and install < refuse[0] < len(recipe) - 1  # before the stamp
+    assert any("--require-cuda-torch" in line for line in _make_target("gpu-node"))
+    problem = cuda_driver.torch_problem("2.13.0+cpu", None)
+    assert problem and "2.13.0+cpu" in problem and "pip uninstall -y torch" in problem
+    assert "pip config list" in problem
+    assert cuda_driver.torch_problem("2.13.0", "13.0") is None
+
+
+def test_the_cpu_torch_here_is_seen_both_ways() -> None:
+    """This machine's venv holds torch 2.13.0+cpu: the Makefile's check finds it (so `make
+    gpu-node` would uninstall it), and the post-install check refuses it."""
+    torch_version = cuda_driver.installed_torch()
+    if torch_version is None or "+cpu" not in torch_version:
+        pytest.skip(f"torch {torch_version} here is not a CPU build")
+    makefile = (ROOT / "Makefile").read_text()
+    check = makefile.split("CPU_TORCH_CHECK := ", 1)[1].split("\n", 1)[0]
+    assert subprocess.run([sys.executable, "-c", check]).returncode == 0
+    done = subprocess.run(
+        [sys.executable, "-m", "carpool.cuda_driver", "--require-cuda-torch"],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+    )
+    assert done.returncode == 1 and "is a CPU build" in done.stderr, done.stderr
+
+
 # 5. Engines sharing a GPU get explicit budgets.
 
 
