@@ -8,7 +8,9 @@ endpoint one request; then a short closed-loop load per endpoint: embeddings ite
 items/s, and for ``small`` and ``large`` tokens/s with time to first token p50/p99 at 16
 streaming clients. Writes one JSON and exits, within ``--budget-s`` (default 540 s: under the
 10 minutes the issue allows). Without a GPU it refuses at once, says why, and writes a JSON
-with ``status: refused``.
+with ``status: refused``. Where only torch and transformers are installed (no Ray, no vLLM),
+``python -m benchmarks.gpu_torch_check`` runs the part that is carpool's own code: the
+encoders' batching and carpool's generation engine on the GPU.
 
     make gpu-check                                   # = python -m benchmarks.gpu_check
     python -m benchmarks.gpu_check --out benchmarks/results/gpu-check.json --load-s 20

@@ -106,3 +106,91 @@ def test_make_gpu_check_installs_first_and_writes_one_json() -> None:
     header = makefile.split("\ngpu-check:", 1)[1].split("\n", 2)
     assert header[0].split() == ["gpu-node"]
     assert "-m benchmarks.gpu_check --out" in header[1]
+
+
+# The torch-only part (benchmarks/gpu_torch_check.py): runs where Ray and vLLM cannot (issue 52).
+
+# What a lent GPU machine lacks: nothing of these may be imported on the torch-only path.
+BLOCKED = ("ray", "vllm", "pydantic", "fastapi")
+
+
+def _torch_only(*argv: str, cwd: Path = ROOT) -> subprocess.CompletedProcess:
+    """``python -m benchmarks.gpu_torch_check`` in a Python where importing any of BLOCKED
+    fails, as on a machine without them."""
+    script = (
+        "import runpy, sys\n"
+        f"for name in {BLOCKED!r}:\n"
+        "    sys.modules[name] = None\n"
+        f"sys.argv = ['gpu_torch_check', *{list(argv)!r}]\n"
+        "runpy.run_module('benchmarks.gpu_torch_check', run_name='__main__', alter_sys=True)\n"
+    )
+    return subprocess.run(
+        [sys.executable, "-c", script], cwd=cwd, capture_output=True, text=True, timeout=300
+    )
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory: pytest.TempPathFactory) -> dict[str, str]:
+    from tests.factories import build_tiny_models
+
+    return build_tiny_models(tmp_path_factory.mktemp("tiny-torch-check"))
+
+
+def test_the_torch_only_check_runs_without_ray_vllm_or_pydantic(
+    tiny: dict[str, str], tmp_path: Path
+) -> None:
+    out = tmp_path / "torch.json"
+    done = _torch_only(
+        "--device", "cpu", "--embedder", tiny["encoder"], "--generator", tiny["causal_lm"],
+        "--texts", "300", "--requests", "4", "--max-tokens", "8", "--out", str(out),
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr[-3000:]
+    result = json.loads(out.read_text())
+    assert result["status"] == "ok", result["reason"]
+    assert result["versions"]["ray"]  # recorded, never imported
+    encoder, engine = result["encoder"], result["engine"]
+    # serve-gpu.yaml's splitter cut 300 mixed texts into several passes, and no vector moved.
+    assert encoder["passes"] >= 2 and encoder["padded_tokens"] >= encoder["real_tokens"]
+    assert encoder["min_cosine_to_alone"] >= 0.9999
+    # carpool's engine batched the four requests per step, each as it would be alone (fp32).
+    assert engine["tokens"] == 4 * 8 and engine["engine_steps"] < engine["tokens"]
+    assert engine["same_as_alone"] == 4
+
+
+def test_the_torch_only_check_refuses_a_machine_without_cuda(tmp_path: Path) -> None:
+    import torch
+
+    if torch.cuda.is_available():
+        pytest.skip("this machine has CUDA: the refusal is not what runs")
+    out = tmp_path / "torch.json"
+    done = _torch_only("--out", str(out))
+    assert done.returncode == 1
+    assert "refused: torch" in done.stderr and "--device cpu" in done.stderr
+    result = json.loads(out.read_text())
+    assert result["status"] == "refused" and result["encoder"] is None
+
+
+def test_the_torch_only_embed_pass_is_the_embedders(tiny: dict[str, str]) -> None:
+    """gpu_torch_check keeps a copy of TextEmbedder.embed_ids (deployments/embedder.py imports
+    Ray); both must give the same vectors."""
+    import numpy as np
+
+    from benchmarks.gpu_torch_check import embed_pass, texts
+    from deployments.embedder import EmbedderConfig, TextEmbedder
+
+    embedder = TextEmbedder(
+        EmbedderConfig.model_validate({"source": {"model": tiny["encoder"], "device": "cpu"}})
+    )
+    assert embedder.pooling == "mean" and embedder.normalize
+    batch = embedder.tokenize(texts(6))
+    ours = embed_pass(embedder.model, batch, embedder.pad_id, "cpu").numpy()
+    np.testing.assert_allclose(ours, np.stack(embedder.embed_ids(batch)), atol=1e-6)
+
+
+def test_gpu_check_itself_imports_no_ray_at_module_import() -> None:
+    script = (
+        f"import sys\nfor name in {BLOCKED!r}:\n    sys.modules[name] = None\n"
+        "import benchmarks.gpu_check, benchmarks.gpu_torch_check\n"
+    )
+    done = subprocess.run([sys.executable, "-c", script], cwd=ROOT, capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr
