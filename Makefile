@@ -6,11 +6,12 @@ PY := $(VENV)/bin/python
 TORCH_VERSION ?= 2.13.0
 INSTALLED := $(VENV)/.carpool-installed
 
-# Ray 2.60 turns token auth on for a local cluster, after which `serve status`, `ray status`
-# and the dashboard API answer 401 from a plain shell. carpool binds Serve and the dashboard
-# to 127.0.0.1 and turns token auth off for the clusters `make serve`/`make test` start; set
-# RAY_AUTH_MODE=token (and share the token) when the cluster is reachable by others.
-export RAY_AUTH_MODE ?= disabled
+# Ray's token auth for every Ray these targets start (`make serve`, the tests', the
+# benchmarks'): without it Ray's agent runs a shell command posted by anyone who reaches its
+# port. The token is ~/.ray/auth_token, created once, owner-only (carpool/local_ray.py); every
+# `ray`/`serve` CLI call finds it there. RAY_AUTH_MODE=disabled turns it off: safe only on a
+# machine and network you trust (docs/operations.md#security).
+export RAY_AUTH_MODE ?= token
 
 # The Ray dashboard's Metrics view reads Prometheus (and Grafana, when GRAFANA_URL is set) from
 # these, read when `make serve` starts Ray; `make monitor` starts that Prometheus.
@@ -24,7 +25,7 @@ SUDO := $(shell [ "$$(id -u)" = 0 ] || echo sudo)
 # GBs of CUDA packages). Machines whose pip already finds a local wheel (find-links) use it.
 TORCH_PIP_ARGS ?= $(shell command -v nvidia-smi >/dev/null 2>&1 || $(PYTHON) -m pip config list 2>/dev/null | grep -q find-links || echo --extra-index-url https://download.pytorch.org/whl/cpu)
 
-.PHONY: install models prometheus monitor dashboards serve test test-unit test-integration test-e2e lint format bench stop clean reliability soak bench-peers vllm-venv test-vllm gpu-node gpu-check
+.PHONY: install models prometheus monitor dashboards serve status test test-unit test-integration test-e2e lint format bench stop clean reliability soak bench-peers vllm-venv test-vllm gpu-node gpu-check
 
 install: $(INSTALLED)
 
@@ -53,8 +54,13 @@ models: install vllm-venv
 RAY_INGRESS_ENV = eval "$$($(PY) -m carpool.haproxy env \
 	--direct-routes "$$($(PY) -m pipelines.direct_routes serve.yaml)")"
 
+# A Ray of its own (--address local), never the one /tmp/ray/ray_current_cluster names (a
+# stopped benchmark's head leaves it there); token auth and Ray's single-machine mode, so every
+# port Ray opens is on 127.0.0.1 (carpool/local_ray.py). A taken HTTP port is named at once.
+LOCAL_RAY_ENV = LOCAL_RAY="$$($(PY) -m carpool.local_ray env serve.yaml)" && eval "$$LOCAL_RAY"
+
 serve: models
-	$(RAY_INGRESS_ENV) && $(VENV)/bin/serve run serve.yaml
+	$(RAY_INGRESS_ENV) && $(LOCAL_RAY_ENV) && $(VENV)/bin/serve run --address local serve.yaml
 
 # A GPU machine without Docker (cluster.yaml and KubeRay run the Dockerfile's image instead,
 # which does the same): its own venv with vLLM's CUDA build (the `vllm` extra, which pins
@@ -141,6 +147,11 @@ format: install
 # a quiet machine, two benchmarks at once measure nothing); see benchmarks/README.md.
 bench: models
 	$(PY) -m benchmarks suite
+
+# What `make serve` runs, from any shell: Ray's CLI sends the token (~/.ray/auth_token) only
+# under RAY_AUTH_MODE=token, which this Makefile exports.
+status: install
+	$(VENV)/bin/serve status
 
 stop:
 	-$(VENV)/bin/ray stop

@@ -18,9 +18,11 @@ import traceback
 from pathlib import Path
 from typing import Any
 
-# Before anything imports Ray: the benchmark's private cluster runs without token auth (it is
-# bound to 127.0.0.1) and never phones home.
-os.environ.setdefault("RAY_AUTH_MODE", "disabled")
+from carpool import local_ray
+
+# Before anything imports Ray: the benchmark's private cluster is closed as `make serve`'s is
+# (token auth, every port on 127.0.0.1: carpool/local_ray.py) and never phones home.
+os.environ.update(local_ray.ray_environment())
 os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
 
 from benchmarks.arrivals import ArrivalSpec

@@ -20,13 +20,15 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import yaml
 from pydantic import BaseModel, ConfigDict, Field
+
+from carpool import local_ray
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 SERVE_CONFIG = REPO_ROOT / "serve.yaml"
@@ -298,9 +300,7 @@ class ServeCluster:
                 f"port {self.port} on 127.0.0.1 is in use; pass --port with a free one, or "
                 "--url to benchmark the server already there"
             )
-        # Token auth (Ray 2.60's default for local clusters) would make our own status calls
-        # answer 401; this cluster is private to the benchmark and bound to 127.0.0.1.
-        os.environ.setdefault("RAY_AUTH_MODE", "disabled")
+        os.environ.update(local_ray.ray_environment())
         os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
         # Ray starts its workers (every replica and the proxy) at nice 15, below the load
         # generator and any stray process on the machine: a benchmark would then measure who else
@@ -385,16 +385,36 @@ def start_head_in_own_session(args: list[str]) -> tuple[int, str]:
     gcs_port = free_port()
     cmd = [str(Path(sys.executable).with_name("ray")), "start", "--head", f"--port={gcs_port}"]
     cmd += ["--include-dashboard=false", "--disable-usage-stats", *args]
-    proc = subprocess.Popen(
-        cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, start_new_session=True
-    )
-    sid = proc.pid  # setsid: a session's id is its first process's pid
-    _LIVE_SESSIONS.add(sid)  # a killed benchmark must not leave a Ray behind (atexit below)
-    out, _ = proc.communicate(timeout=300)
+    with _current_cluster_file_kept():
+        proc = subprocess.Popen(
+            cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, start_new_session=True
+        )
+        sid = proc.pid  # setsid: a session's id is its first process's pid
+        _LIVE_SESSIONS.add(sid)  # a killed benchmark must not leave a Ray behind (atexit below)
+        out, _ = proc.communicate(timeout=300)
     if proc.returncode != 0:
         stop_session(sid)
         raise RuntimeError(f"`ray start --head` failed:\n{out.decode(errors='replace')[-3000:]}")
     return sid, f"127.0.0.1:{gcs_port}"
+
+
+@contextlib.contextmanager
+def _current_cluster_file_kept() -> Iterator[None]:
+    """Puts Ray's ``ray_current_cluster`` back as it was: ``ray start --head`` writes its
+    address there, and every ``ray``/``serve`` command without an address (a user's ``serve
+    run``, ``serve status``) would then join the benchmark's head, or, once it is stopped,
+    retry its dead GCS for minutes. The benchmark connects by the address it is given."""
+    from ray._common.utils import get_ray_address_file
+
+    path = Path(get_ray_address_file(None))
+    before = path.read_bytes() if path.exists() else None
+    try:
+        yield
+    finally:
+        if before is None:
+            path.unlink(missing_ok=True)
+        else:
+            path.write_bytes(before)
 
 
 # Sessions started and not yet stopped; only these are ended at exit (a stopped session's id

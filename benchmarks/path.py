@@ -45,6 +45,7 @@ from benchmarks.path_systems import (
 from benchmarks.stats import RequestRecord, percentile
 from benchmarks.targets import Answer, Target
 from benchmarks.workloads import EmbedRequest, Request
+from carpool import local_ray
 
 RESULTS_JSON = peers.REPO_ROOT / "benchmarks" / "results" / "path.json"
 # A client's wait for one answer: past it the request counts as lost. Long, because a closed
@@ -443,7 +444,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    os.environ.setdefault("RAY_AUTH_MODE", "disabled")
+    os.environ.update(local_ray.ray_environment())
     os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
     if args.quick:
         args.duration, args.warmup = min(args.duration, 4.0), min(args.warmup, 1.0)

@@ -26,7 +26,9 @@ import time
 from pathlib import Path
 from typing import Any
 
-os.environ.setdefault("RAY_AUTH_MODE", "disabled")
+from carpool import local_ray
+
+os.environ.update(local_ray.ray_environment())
 os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
 
 from benchmarks.arrivals import ArrivalSpec

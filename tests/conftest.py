@@ -18,7 +18,9 @@ from pathlib import Path
 
 import pytest
 
-os.environ.setdefault("RAY_AUTH_MODE", "disabled")
+# Every Ray the tests start is closed as `make serve`'s is: token auth (the token created
+# once, owner-only, where Ray looks), its ports on 127.0.0.1 (carpool/local_ray.py).
+os.environ.setdefault("RAY_AUTH_MODE", "token")
 # Ray's usage stats reporter phones home; nothing here may reach the network.
 os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
 # Serve kills a proxy that is not ready within 5 s (and one whose health check takes over
@@ -40,6 +42,10 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
         tier = Path(str(item.fspath)).relative_to(TESTS).parts[0]
         if tier in ("unit", "integration", "e2e", "cluster"):
             item.add_marker(getattr(pytest.mark, tier))
+    # Tests that start a Ray of their own the README's way (`make serve`) run first, before
+    # the session's shared Ray starts: two whole serve.yaml stacks at once would not fit 2
+    # cores. sort() is stable: the order within each group stays.
+    items.sort(key=lambda item: item.get_closest_marker("own_ray") is None)
 
 
 def _free_port() -> int:
@@ -69,6 +75,9 @@ def ray_session() -> Iterator[None]:
             direct_routes=routes_of_file(Path(__file__).resolve().parents[1] / "serve.yaml"),
         )
     )
+    from carpool.local_ray import ray_environment
+
+    os.environ.update(ray_environment())
     # Logical CPUs above the 2 real cores: tiny test replicas need scheduling room, not cores.
     # address="local": always a fresh cluster of our own, never one a `ray start` left running.
     ray.init(address="local", num_cpus=8, include_dashboard=False, log_to_driver=False)

@@ -22,6 +22,7 @@ from benchmarks.peers.mixed import run_mixed
 from benchmarks.peers.process import load_note
 from benchmarks.peers.report import json_default, merge_results, render_tables, write_report
 from benchmarks.peers.settings import LOG_DIR, RESULTS_JSON
+from carpool import local_ray
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -86,7 +87,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    os.environ.setdefault("RAY_AUTH_MODE", "disabled")
+    os.environ.update(local_ray.ray_environment())
     os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
     if args.phase == "install":
         for spec in INSTALLS.values():

@@ -23,6 +23,7 @@ from benchmarks.reliability.cluster import (
     subset,
 )
 from benchmarks.reliability.common import git_state, machine, parse_rates, write_results
+from carpool import local_ray
 
 COMMANDS = {
     "overload": (overload, ["embed"]),
@@ -165,7 +166,7 @@ def main(argv: list[str] | None = None) -> int:
             raise SystemExit("usage: python -m benchmarks.reliability report RESULT.json")
         return report(Path(argv[1]))
     args = build_parser().parse_args(argv)
-    os.environ.setdefault("RAY_AUTH_MODE", "disabled")
+    os.environ.update(local_ray.ray_environment())
     module, default_apps = COMMANDS[args.command]
     args.capacity = parse_rates(args.capacity)
     if hasattr(args, "rates"):

@@ -30,6 +30,7 @@ from benchmarks.deploy import (
     start_head_in_own_session,
     stop_session,
 )
+from carpool import local_ray
 
 SERVE_CONFIG = REPO_ROOT / "serve.yaml"
 NAMESPACE = "serve"
@@ -177,7 +178,7 @@ class Cluster:
 
     def start(self, timeout_s: float = 600.0) -> float:
         """Starts Ray + Serve and deploys the config; returns seconds until all apps RUN."""
-        os.environ.setdefault("RAY_AUTH_MODE", "disabled")
+        os.environ.update(local_ray.ray_environment())
         os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
         # Ray starts its workers (every replica and the proxy) at nice 15, below the load
         # generator and any stray process on the machine: a benchmark would then measure who else

@@ -12,6 +12,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+from carpool.local_ray import CLUSTER_MODE_VAR, ray_environment
+
 SCENARIO = Path(__file__).with_name("scenario.py")
 
 
@@ -21,10 +23,13 @@ def test_serve_gpu_shape_scales_spreads_and_survives_a_worker() -> None:
     # cluster every node is its own host (docs/ingress.md).
     env = {
         **os.environ,
-        "RAY_AUTH_MODE": "disabled",
+        **ray_environment(),  # token auth, the token created where Ray looks
         "RAY_ADDRESS": "",
         "RAY_SERVE_ENABLE_HA_PROXY": "0",
     }
+    # Ray's cluster mode: simulated nodes join a head, which its single-machine mode (the
+    # one-box Ray's, carpool/local_ray.py) refuses; token auth stays on.
+    env.pop(CLUSTER_MODE_VAR, None)
     done = subprocess.run(
         [sys.executable, str(SCENARIO)],
         capture_output=True,
