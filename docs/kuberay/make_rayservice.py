@@ -170,6 +170,28 @@ GPU_TOLERATIONS = """\
 tolerations:
   - {key: nvidia.com/gpu, operator: Exists, effect: NoSchedule}
 """
+# serve-gpu.yaml's budgets are sized for a 24 GB GPU (docs/gpu.md): a 16 GB T4 node in the same
+# pool would start replicas that refuse or run out of memory. So the GPU pod lands only on the
+# documented 24 GB instance types (the well-known label every cloud node carries) or on a node
+# whose GPU feature discovery label says it has at least 22,000 MiB (an A10G reports 23,028,
+# an L4 23,034). Another node type: add it here and regenerate.
+GPU_INSTANCE_TYPES = ("g5.2xlarge", "g6.2xlarge", "g2-standard-8")
+GPU_MIN_MEMORY_MIB = 22000
+GPU_AFFINITY = f"""\
+affinity:
+  nodeAffinity:
+    requiredDuringSchedulingIgnoredDuringExecution:
+      nodeSelectorTerms:
+        - matchExpressions:
+            - {{key: node.kubernetes.io/instance-type, operator: In, values: [{", ".join(GPU_INSTANCE_TYPES)}]}}
+        - matchExpressions:
+            - {{key: nvidia.com/gpu.memory, operator: Gt, values: ["{GPU_MIN_MEMORY_MIB}"]}}
+"""
+# The GPU pod's object store: Serve passes requests and answers through it (an embeddings
+# answer of 256 vectors is about 400 KB), never weights. Ray's default (30% of the pod's
+# memory, 7.8 GiB) plus the six CUDA processes would not fit the pod's 26 GiB (docs/gpu.md);
+# 2 GiB does, and Ray spills to disk past it.
+GPU_OBJECT_STORE_BYTES = 2 * 1024**3
 
 CPU_CLUSTER = """\
 # serve.yaml fits the head's 2 CPUs; replicas added beyond that get worker pods.
@@ -220,7 +242,7 @@ workerGroupSpecs:
 # and GPU workers with `carpool_gpu_node` (the models); serve-gpu.yaml places every replica
 # by these resources. The GPU pod fills a GPU_NODE: 7 of its 8 vCPUs
 # (four replicas at num_cpus 1, two vLLM engine cores, Ray's agents and HAProxy) and 26 GiB
-# of its 32, of which up to 8 GiB object store in /dev/shm. The ingress pod fills a CPU_NODE
+# of its 32, of which up to 2 GiB object store in /dev/shm. The ingress pod fills a CPU_NODE
 # the same way: 7 CPUs, one `carpool_ingress` a CPU. serve-gpu.yaml's ingresses take 8 units
 # and the head offers 4, so one ingress pod always runs (minReplicas 1): the apps start with
 # the head's 4 and its 7, without waiting for the autoscaler.
@@ -281,11 +303,13 @@ workerGroupSpecs:
     rayStartParams:
       num-cpus: "7"
       num-gpus: "1"
+      object-store-memory: "{gpu_object_store}"
       resources: '"{{\\"carpool_gpu_node\\": 1}}"'
     template:
       spec:
 {worker_pull_secrets}
 {gpu_tolerations}
+{gpu_affinity}
         containers:
           - name: ray-worker
             image: {image}
@@ -295,7 +319,7 @@ workerGroupSpecs:
             resources:
               requests: {{cpu: "7", memory: 26Gi, nvidia.com/gpu: 1}}
               limits: {{cpu: "7", memory: 26Gi, nvidia.com/gpu: 1}}
-{worker_volumes_8g}
+{worker_volumes_4g}
 """
 
 
@@ -383,6 +407,8 @@ def render(serve_yaml: str, manifest: Manifest = MANIFESTS[0]) -> str:
         worker_env=_indent(container_env(serve_config), 12),
         worker_mounts=_indent(SHM_MOUNT, 12),
         gpu_tolerations=_indent(GPU_TOLERATIONS, 8),
+        gpu_affinity=_indent(GPU_AFFINITY, 8),
+        gpu_object_store=GPU_OBJECT_STORE_BYTES,
         head_pull_secrets=_indent(PULL_SECRETS, 6),
         worker_pull_secrets=_indent(PULL_SECRETS, 8),
         **{

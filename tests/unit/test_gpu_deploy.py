@@ -446,6 +446,44 @@ def test_the_gpu_pod_fits_the_node_it_is_sized_for() -> None:
     assert node["instance"] in readme
 
 
+def test_the_gpu_pods_memory_holds_its_processes_and_object_store() -> None:
+    """Six CUDA processes (four replicas, two vLLM engine cores), Ray, and the object store in
+    /dev/shm (counted in the pod's memory) under the pod's limit; Ray's default object store
+    (30% of the limit) would not fit beside them."""
+    manifest = yaml.safe_load((KUBERAY / "rayservice-gpu.yaml").read_text())
+    groups = manifest["spec"]["rayClusterConfig"]["workerGroupSpecs"]
+    (gpu,) = [g for g in groups if g["groupName"] == "gpu"]
+    limit = _gib(gpu["template"]["spec"]["containers"][0]["resources"]["limits"]["memory"])
+    store_bytes = gpu["rayStartParams"].get("object-store-memory")
+    store = int(store_bytes) / 2**30 if store_bytes else 0.3 * limit  # Ray's default
+    config = yaml.safe_load((ROOT / "serve-gpu.yaml").read_text())
+    replicas = [
+        section["replica"]
+        for app in config["applications"]
+        for section in app.get("args", {}).values()
+        if isinstance(section, dict) and "replica" in section
+    ]
+    vllm = [r for r in replicas if r["num_gpus"] >= 0.25]
+    processes = (
+        HOST_GIB["torch_replica"] * (len(replicas) - len(vllm))
+        + HOST_GIB["vllm_replica"] * len(vllm)
+        + HOST_GIB["ray"]
+    )
+    assert processes + store <= limit, (
+        f"the GPU pod's {limit} GiB holds {processes} GiB of processes and a {store:.1f} GiB "
+        "object store only if object-store-memory is set (make_rayservice.py)"
+    )
+    volumes = {v["name"]: v for v in gpu["template"]["spec"]["volumes"]}
+    assert _gib(volumes["dshm"]["emptyDir"]["sizeLimit"]) >= store  # the store fits /dev/shm
+
+
+def test_the_image_compiles_nothing_with_the_base_images_cuda_12_nvcc() -> None:
+    """Ray's -gpu base carries CUDA 12.1's nvcc; vLLM's default FlashInfer sampler would
+    JIT-compile with it for a CUDA 13 torch. The image turns that sampler off."""
+    assert re.search(r"^ENV VLLM_USE_FLASHINFER_SAMPLER=0$", _dockerfile(), re.M)
+    assert "VLLM_USE_FLASHINFER_SAMPLER=0" in (ROOT / "docs" / "gpu.md").read_text()
+
+
 # 7. Covered in test_cluster_config.py (nodes run the image; gpu-node has no dev extras).
 
 # 8. Ray's CLI on the head sends the token.

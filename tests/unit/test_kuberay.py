@@ -481,3 +481,24 @@ def test_the_gpu_manifests_pods_offer_the_ingress_units_serve_gpu_yaml_takes() -
     )
     # One replica needs one whole unit on one pod: fractions left on several pods do not add.
     assert whole_replicas <= slots
+
+
+def test_the_gpu_pod_lands_only_on_a_24gb_gpu_node() -> None:
+    """serve-gpu.yaml is sized for a 24 GB GPU: the GPU pod requires a documented 24 GB
+    instance type or a GPU that feature discovery reports at 22,000 MiB or more; the CPU
+    pods carry no such rule."""
+    for group in _groups(_load(GPU_MANIFEST)):
+        spec = group["template"]["spec"]
+        if _pod_requests(group)["gpus"] == 0:
+            assert "affinity" not in spec, group.get("groupName", "head")
+            continue
+        terms = spec["affinity"]["nodeAffinity"]["requiredDuringSchedulingIgnoredDuringExecution"][
+            "nodeSelectorTerms"
+        ]
+        rules = {e["key"]: e for t in terms for e in t["matchExpressions"]}
+        types = rules["node.kubernetes.io/instance-type"]
+        assert types["operator"] == "In" and types["values"]
+        for instance in types["values"]:
+            assert ALLOCATABLE[instance]["gpus"] >= 1, f"{instance}: not a documented GPU node"
+        memory = rules["nvidia.com/gpu.memory"]
+        assert memory["operator"] == "Gt" and int(memory["values"][0]) >= 22000
