@@ -26,7 +26,9 @@ import ipaddress
 import os
 import subprocess
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
+from concurrent.futures import ThreadPoolExecutor
+from functools import partial
 from pathlib import Path
 
 import httpx
@@ -37,9 +39,11 @@ from carpool.local_ray import token_path
 from tests import make_serve
 from tests.make_serve import ListeningSocket, MakeServeRun
 
-pytestmark = pytest.mark.own_ray  # runs before the session's shared Ray starts (conftest)
-
 READY_S = 600  # every app of serve.yaml cold on a busy 2-core box, vLLM's compile included
+pytestmark = [
+    pytest.mark.own_ray,  # runs before the session's shared Ray starts (conftest)
+    pytest.mark.timeout(READY_S + 300),  # the first test waits for the fixture's start
+]
 DASHBOARD = "http://127.0.0.1:8265"
 # Real methods of each kind of Ray gRPC server: the GCS, a raylet, a core worker (every Ray
 # process), a Serve replica. A server checks the token before it runs one; a method a
@@ -132,7 +136,7 @@ def _rpc_status(target: str, method: str, token: str | None = None) -> str:
     with grpc.insecure_channel(target) as channel:
         call = channel.unary_unary(method)  # raw bytes in and out
         try:
-            call(b"", timeout=5, metadata=metadata)
+            call(b"", timeout=3, metadata=metadata)
         except grpc.RpcError as exc:
             return exc.code().name
         return "OK"
@@ -167,20 +171,47 @@ def test_make_serve_starts_past_a_dead_head_address(served: MakeServeRun) -> Non
     assert set(served.statuses) == names
 
 
+def _parallel(probes: list[Callable[[], str | None]]) -> list[str]:
+    """Runs the probes at once (each may wait out its timeouts); the answers they found."""
+    with ThreadPoolExecutor(max_workers=32) as pool:
+        return [found for found in pool.map(lambda probe: probe(), probes) if found]
+
+
+def _outside_probe(host: str, sock: ListeningSocket) -> Callable[[], str | None]:
+    def probe() -> str | None:
+        if not _connects(host, sock.port):
+            return None
+        statuses = {m: _rpc_status(_target(host, sock.port), m) for m in RAY_RPCS}
+        refused = set(statuses.values()) <= {"UNAUTHENTICATED", "UNIMPLEMENTED"}
+        if refused and "UNAUTHENTICATED" in statuses.values():
+            return None
+        return f"{host}:{sock.port} ({make_serve.describe(sock.pid)}): {statuses}"
+
+    return probe
+
+
 def test_nothing_answers_a_non_loopback_address_without_the_token(served: MakeServeRun) -> None:
     outside = _outside_addresses()
     if not outside:
         pytest.skip("this machine has no non-loopback address to probe from")
-    answered = []
-    for sock in _sockets(served):
-        for host in outside:
-            if not _connects(host, sock.port):
-                continue
-            statuses = {m: _rpc_status(_target(host, sock.port), m) for m in RAY_RPCS}
-            refused = set(statuses.values()) <= {"UNAUTHENTICATED", "UNIMPLEMENTED"}
-            if not (refused and "UNAUTHENTICATED" in statuses.values()):
-                answered.append(f"{host}:{sock.port} ({make_serve.describe(sock.pid)}): {statuses}")
+    probes = [_outside_probe(host, sock) for sock in _sockets(served) for host in outside]
+    answered = _parallel(probes)
     assert not answered, "reachable from outside without the token:\n" + "\n".join(answered)
+
+
+def _loopback_probes(port: int, job: dict) -> list[Callable[[], str | None]]:
+    def post(route: str) -> str | None:
+        with contextlib.suppress(httpx.HTTPError):
+            reply = httpx.post(f"http://127.0.0.1:{port}{route}", json=job, timeout=5)
+            if reply.is_success:
+                return f"POST 127.0.0.1:{port}{route}: {reply.status_code}"
+        return None
+
+    def call(method: str) -> str | None:
+        status = _rpc_status(f"127.0.0.1:{port}", method)
+        return f"127.0.0.1:{port}{method}: {status}" if status == "OK" else None
+
+    return [partial(post, r) for r in JOB_ROUTES] + [partial(call, m) for m in RAY_RPCS]
 
 
 def test_rays_control_plane_refuses_a_caller_without_the_token_on_loopback(
@@ -188,16 +219,8 @@ def test_rays_control_plane_refuses_a_caller_without_the_token_on_loopback(
 ) -> None:
     marker = tmp_path / "job-ran"
     job = {"entrypoint": f"touch {marker}", "submission_id": f"probe-{os.getpid()}"}
-    answered = []
-    for port in sorted({s.port for s in _sockets(served)}):
-        for route in JOB_ROUTES:
-            with contextlib.suppress(httpx.HTTPError):
-                reply = httpx.post(f"http://127.0.0.1:{port}{route}", json=job, timeout=5)
-                if reply.is_success:
-                    answered.append(f"POST 127.0.0.1:{port}{route}: {reply.status_code}")
-        for method in RAY_RPCS:
-            if (status := _rpc_status(f"127.0.0.1:{port}", method)) == "OK":
-                answered.append(f"127.0.0.1:{port}{method}: {status}")
+    ports = sorted({s.port for s in _sockets(served)})
+    answered = _parallel([p for port in ports for p in _loopback_probes(port, job)])
     time.sleep(3)  # a job that was taken runs within a second or two
     assert not marker.exists(), f"a job posted without the token ran: {marker}"
     assert not answered, "answered on loopback without the token:\n" + "\n".join(answered)
