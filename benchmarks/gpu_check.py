@@ -34,6 +34,8 @@ from typing import Any
 
 import yaml
 
+from carpool import local_ray
+
 ROOT = Path(__file__).resolve().parents[1]
 DEFAULT_OUT = ROOT / "benchmarks" / "results" / "gpu-check.json"
 RESOURCES = {"carpool_head_node": 1, "carpool_gpu_node": 1, "carpool_ingress": 16}
@@ -195,9 +197,12 @@ def _bin(name: str) -> str:
 def _wait_running(deadline: float) -> None:
     import httpx
 
+    token = local_ray.token_path().read_text().strip()
+    headers = {"Authorization": f"Bearer {token}"}
     while time.monotonic() < deadline:
         try:
-            apps = httpx.get("http://127.0.0.1:8265/api/serve/applications/", timeout=10).json()
+            url = "http://127.0.0.1:8265/api/serve/applications/"
+            apps = httpx.get(url, headers=headers, timeout=10).json()
             statuses = {name: a["status"] for name, a in apps.get("applications", {}).items()}
             if statuses and all(s == "RUNNING" for s in statuses.values()):
                 return
@@ -334,7 +339,9 @@ def run(args: argparse.Namespace, result: dict[str, Any]) -> None:
     config = prepare_config(args.config.read_text(), str(scratch / "index"), args.port)
     config_path = scratch / "serve-gpu.check.yaml"
     config_path.write_text(yaml.safe_dump(config, sort_keys=False))
-    env = {**os.environ, "RAY_AUTH_MODE": "disabled", "CARPOOL_API_KEYS": key}
+    # The one-box Ray make serve runs: token auth (the token where Ray looks) and every Ray port
+    # on 127.0.0.1 (carpool/local_ray.py); Serve's own HTTP keeps serve-gpu.yaml's host.
+    env = {**os.environ, **local_ray.ray_environment(), "CARPOOL_API_KEYS": key}
     ray = _bin("ray")
     subprocess.run([ray, "stop", "--force"], env=env, capture_output=True)
     try:

@@ -12,7 +12,7 @@ at the end all of those must have succeeded, and no replica may have been restar
 750 requests, a module run of about 75 s here). A long run by hand, with fresh random data, and a JSON summary::
 
     CARPOOL_FUZZ_EXAMPLES=300 CARPOOL_FUZZ_SEED=4242 \\
-    CARPOOL_FUZZ_REPORT=/tmp/fuzz.json RAY_AUTH_MODE=disabled \\
+    CARPOOL_FUZZ_REPORT=/tmp/fuzz.json \\
     .venv/bin/pytest tests/integration/test_fuzz_openapi.py -q
 """
 
