@@ -8,9 +8,10 @@ INSTALLED := $(VENV)/.carpool-installed
 
 # Ray's token auth for every Ray these targets start (`make serve`, the tests', the
 # benchmarks'): without it Ray's agent runs a shell command posted by anyone who reaches its
-# port. The token is ~/.ray/auth_token, created once, owner-only (carpool/local_ray.py); every
-# `ray`/`serve` CLI call finds it there. RAY_AUTH_MODE=disabled turns it off: safe only on a
-# machine and network you trust (docs/operations.md#security).
+# port. The token is ~/.ray/auth_token, created once, owner-only (carpool/local_ray.py); Ray's
+# CLI sends it under this variable (`make status`, `make stop`; from a shell, export it too).
+# RAY_AUTH_MODE=disabled turns it off: safe only on a machine and network you trust
+# (docs/operations.md#rays-own-ports-token-auth-and-loopback).
 export RAY_AUTH_MODE ?= token
 
 # The Ray dashboard's Metrics view reads Prometheus (and Grafana, when GRAFANA_URL is set) from

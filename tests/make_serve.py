@@ -31,6 +31,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import pytest
 import yaml
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -198,6 +199,15 @@ class MakeServeRun:
     @property
     def log(self) -> Path:
         return self.work / "make-serve.log"
+
+    def still_starting(self) -> None:
+        """Records the process tree while ``make`` is its root; fails the test when ``make``
+        has exited (it serves until stopped)."""
+        self.run.scan()
+        if self.make.poll() is not None:
+            pytest.fail(
+                f"make serve exited ({self.make.returncode}) before serving:\n{tail(self.log)}"
+            )
 
     def terminate(self) -> None:
         """SIGTERM to the run's process group: the README's way to stop."""

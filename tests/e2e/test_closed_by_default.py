@@ -84,12 +84,7 @@ def _wait_until_running(served: MakeServeRun) -> dict[str, str]:
     deadline = time.monotonic() + READY_S
     last = "no answer yet"
     while time.monotonic() < deadline:
-        served.run.scan()  # record the tree while make is its root
-        if served.make.poll() is not None:
-            pytest.fail(
-                f"make serve exited ({served.make.returncode}) before serving:\n"
-                + make_serve.tail(served.log)
-            )
+        served.still_starting()
         log = served.log.read_text(errors="replace")
         if "Failed to connect to GCS" in log:
             pytest.fail(

@@ -385,25 +385,35 @@ def test_kv_cache_memory_goes_to_vllm_on_cuda_only() -> None:
 # 6. Node sizes that hold what serve-gpu.yaml puts on them.
 
 
-def test_cluster_yaml_node_types_fit_their_instances_and_the_models() -> None:
-    cluster = _cluster()
-    worker = cluster["available_node_types"]["gpu_worker"]
-    cpus, memory_gib, gpu_gib = INSTANCES[worker["node_config"]["InstanceType"]]
-    assert worker["resources"]["CPU"] <= cpus and worker["resources"]["GPU"] == 1
+def _serve_gpu_replicas() -> list[dict]:
+    """The ``replica`` section of every model deployment serve-gpu.yaml places."""
     config = yaml.safe_load((ROOT / "serve-gpu.yaml").read_text())
-    replicas = [
+    return [
         section["replica"]
         for app in config["applications"]
         for section in app.get("args", {}).values()
         if isinstance(section, dict) and "replica" in section
     ]
+
+
+def _host_gib(replicas: list[dict]) -> float:
+    """Host memory of those replicas (vLLM's hold a GPU share of at least 0.25) and Ray."""
     vllm = [r for r in replicas if r["num_gpus"] >= 0.25]
-    assert sum(r["num_cpus"] for r in replicas) + ENGINE_CORE_CPUS <= cpus
-    host = (
+    return (
         HOST_GIB["torch_replica"] * (len(replicas) - len(vllm))
         + HOST_GIB["vllm_replica"] * len(vllm)
         + HOST_GIB["ray"]
     )
+
+
+def test_cluster_yaml_node_types_fit_their_instances_and_the_models() -> None:
+    cluster = _cluster()
+    worker = cluster["available_node_types"]["gpu_worker"]
+    cpus, memory_gib, gpu_gib = INSTANCES[worker["node_config"]["InstanceType"]]
+    assert worker["resources"]["CPU"] <= cpus and worker["resources"]["GPU"] == 1
+    replicas = _serve_gpu_replicas()
+    assert sum(r["num_cpus"] for r in replicas) + ENGINE_CORE_CPUS <= cpus
+    host = _host_gib(replicas)
     assert host <= memory_gib * 0.85, (host, memory_gib)
     assert gpu_gib >= 24
     head = cluster["available_node_types"]["head"]
@@ -456,19 +466,7 @@ def test_the_gpu_pods_memory_holds_its_processes_and_object_store() -> None:
     limit = _gib(gpu["template"]["spec"]["containers"][0]["resources"]["limits"]["memory"])
     store_bytes = gpu["rayStartParams"].get("object-store-memory")
     store = int(store_bytes) / 2**30 if store_bytes else 0.3 * limit  # Ray's default
-    config = yaml.safe_load((ROOT / "serve-gpu.yaml").read_text())
-    replicas = [
-        section["replica"]
-        for app in config["applications"]
-        for section in app.get("args", {}).values()
-        if isinstance(section, dict) and "replica" in section
-    ]
-    vllm = [r for r in replicas if r["num_gpus"] >= 0.25]
-    processes = (
-        HOST_GIB["torch_replica"] * (len(replicas) - len(vllm))
-        + HOST_GIB["vllm_replica"] * len(vllm)
-        + HOST_GIB["ray"]
-    )
+    processes = _host_gib(_serve_gpu_replicas())
     assert processes + store <= limit, (
         f"the GPU pod's {limit} GiB holds {processes} GiB of processes and a {store:.1f} GiB "
         "object store only if object-store-memory is set (make_rayservice.py)"

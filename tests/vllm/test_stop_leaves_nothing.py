@@ -50,12 +50,7 @@ def _wait_until_generating(served: MakeServeRun) -> None:
     deadline = time.monotonic() + READY_S
     last = "no answer yet"
     while time.monotonic() < deadline:
-        served.run.scan()  # record the tree while make is its root
-        if served.make.poll() is not None:
-            pytest.fail(
-                f"make serve exited ({served.make.returncode}) before serving:\n"
-                + make_serve.tail(served.log)
-            )
+        served.still_starting()
         try:
             reply = httpx.post(f"{served.base_url}/generate/v1/completions", json=body, timeout=60)
         except httpx.HTTPError as e:
