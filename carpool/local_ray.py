@@ -112,7 +112,7 @@ def port_holder(port: int, host: str = "127.0.0.1") -> str | None:
                     raw = Path(f"/proc/{pid}/cmdline").read_bytes()
                 except OSError:
                     raw = b""
-                command = raw.replace(b"\0", b" ").decode(errors="replace").strip()
+                command = " ".join(raw.replace(b"\0", b" ").decode(errors="replace").split())
                 return f"pid {pid} ({command[:120] or '?'})"
     return "a process this user cannot see"
 
