@@ -142,6 +142,16 @@ class GenerationLimits(StrictModel):
         le=4096,
         description="KV cache growth step and accounting unit, in tokens per slot.",
     )
+    prefix_cache_mb: int = Field(
+        default=256,
+        ge=0,
+        le=1_048_576,
+        description="mode continuous: memory kept for the keys and values of finished "
+        "sequences' whole KV blocks (prompt and output), so a prompt that repeats one of them "
+        "(a system prompt, a conversation's earlier turns) skips that prefill; least recently "
+        "used evicted, on top of max_kv_cache_mb. 0 turns it off. mode vllm caches prefixes in "
+        "its own KV cache (vllm.enable_prefix_caching).",
+    )
     max_kv_cache_mb: int = Field(
         default=2048,
         ge=1,

@@ -108,6 +108,7 @@ def load_engine(cfg: GeneratorConfig, model: Any = None, tokenizer: Any = None) 
         limits,
         max_seq_len,
         cfg.limits.kv_block_size,
+        prefix_cache_bytes=cfg.limits.prefix_cache_mb * 1024 * 1024,
     )
     return LoadedEngine(engine, tokenizer, model, vocab_size, max_seq_len, bytes_per_token)
 
@@ -160,15 +161,18 @@ def make_engine(
     block_size: int = 64,
     queue_policy: str = "priority",
     packed_weights: bool = True,
+    prefix_cache_bytes: int = 0,
 ) -> EngineCore:
     """One of carpool's own engines around a model in memory (vLLM: ``load_engine``).
 
     ``packed_weights``: mode 'continuous' on CPU in float32 runs its passes on a twin of
     the model with oneDNN-packed linear weights (``runner.pack_linears``; faster, costs a
-    second copy of those weights).
+    second copy of those weights). ``prefix_cache_bytes``: mode 'continuous' keeps finished
+    sequences' prefixes up to this size (``prefix_cache.py``; 0: none).
     """
     if mode == "continuous":
         from carpool.generation.native import ContinuousEngine
+        from carpool.generation.prefix_cache import PrefixCache
         from carpool.generation.runner import SlotRunner
 
         runner = SlotRunner(
@@ -179,7 +183,8 @@ def make_engine(
             tokenizer.pad_id,
             packed_weights=packed_weights,
         )
-        return ContinuousEngine(runner, tokenizer, limits, max_seq_len, queue_policy)
+        prefixes = PrefixCache(prefix_cache_bytes, block_size) if prefix_cache_bytes else None
+        return ContinuousEngine(runner, tokenizer, limits, max_seq_len, queue_policy, prefixes)
     if mode == "static":
         from carpool.generation.static import StaticEngine
 

@@ -125,6 +125,20 @@ class SlotKVCache:
                 tensor[a, :, :length] = tensor[b, :, :length]
                 tensor[b, :, :length] = tmp
 
+    def read_prefix(self, row: int, length: int) -> tuple[list[Any], list[Any]]:
+        """Copies of the first ``length`` positions of ``row``, per layer
+        ``[kv_heads, length, head_dim]`` (for the prefix cache)."""
+        keys = [t[row, :, :length].clone() for t in self.keys]
+        values = [t[row, :, :length].clone() for t in self.values]
+        return keys, values
+
+    def write_prefix(self, row: int, keys: list[Any], values: list[Any], length: int) -> None:
+        """Puts a cached prefix's first ``length`` positions into ``row``."""
+        self.ensure(row + 1, length)
+        for buffers, source in ((self.keys, keys), (self.values, values)):
+            for tensor, cached in zip(buffers, source, strict=True):
+                tensor[row, :, :length] = cached[:, :length]
+
     def release(self) -> None:
         """Frees all memory (the engine calls this when nothing is running)."""
         self.keys, self.values = [], []

@@ -24,6 +24,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from carpool.generation.assembly import EngineCore
+from carpool.generation.prefix_cache import CachedPrefix, PrefixCache
 from carpool.generation.sampling import (
     apply_constraints,
     apply_penalties,
@@ -188,6 +189,7 @@ class ContinuousEngine(ThreadedEngine):
         limits: SchedulerLimits,
         max_seq_len: int,
         queue_policy: str = "priority",
+        prefix_cache: PrefixCache | None = None,
     ) -> None:
         super().__init__(tokenizer, limits, max_seq_len)
         self.runner = runner
@@ -195,6 +197,10 @@ class ContinuousEngine(ThreadedEngine):
         # Slot order: decoding sequences hold rows 0..D-1, prefilling ones rows D..D+P-1.
         self.decoding: list[GenSequence] = []
         self.prefilling: list[GenSequence] = []
+        # Prefixes of finished sequences (None: off), and the one each waiting sequence will
+        # copy into its row when admitted (its num_computed already counts it).
+        self.prefix_cache = prefix_cache
+        self._reused: dict[int, tuple[CachedPrefix, int]] = {}
 
     def set_limits(self, max_num_seqs: int, max_step_tokens: int) -> None:
         super().set_limits(max_num_seqs, max_step_tokens)
@@ -211,6 +217,7 @@ class ContinuousEngine(ThreadedEngine):
             "kv_blocks_total": cache.blocks_total,
             "kv_bytes_allocated": cache.allocated_bytes,
             "kv_bytes_max": cache.max_bytes,
+            **(self.prefix_cache.stats() if self.prefix_cache else {}),
             **self.totals,
         }
 
@@ -228,12 +235,19 @@ class ContinuousEngine(ThreadedEngine):
         if idle:
             self.runner.cache.release()
         for seq in self._take_inbox(block=idle):
+            self._reuse_prefix(seq)
             self.scheduler.add(seq)
         self._reap()
         plan = self.scheduler.schedule(self.decoding, self.prefilling)
         if not plan:
             return
         self.prefilling.extend(plan.admitted)
+        for seq in plan.admitted:
+            reused = self._reused.pop(seq.id, None)
+            if reused is not None:
+                entry, length = reused
+                row = len(self.decoding) + self.prefilling.index(seq)
+                self.runner.cache.write_prefix(row, entry.keys, entry.values, length)
         record = StepRecord(running=0, waiting=0)
         ended: list[GenSequence] = []
 
@@ -296,7 +310,25 @@ class ContinuousEngine(ThreadedEngine):
             reason = self._expired(seq, now)
             if reason is not None:
                 self.scheduler.remove(seq)
+                self._reused.pop(seq.id, None)
                 self._finish_now(seq, reason)
+
+    def _reuse_prefix(self, seq: GenSequence) -> None:
+        """Counts the longest cached prefix of a new prompt as computed; its values are
+        copied into the sequence's row when it is admitted (the entry is held till then)."""
+        if self.prefix_cache is None or seq.num_computed:
+            return
+        hit = self.prefix_cache.lookup(seq.prompt_ids)
+        if hit is not None:
+            self._reused[seq.id] = hit
+            seq.num_computed = hit[1]
+
+    def _remember_prefix(self, seq: GenSequence, row: int) -> None:
+        """Keeps the values a leaving sequence computed (prompt and output) for later prompts."""
+        if self.prefix_cache is None or seq.num_computed < self.prefix_cache.block_tokens:
+            return
+        tokens = (seq.prompt_ids + seq.output_ids)[: seq.num_computed]
+        self.prefix_cache.store(tokens, lambda n: self.runner.cache.read_prefix(row, n))
 
     def _promote(self, seq: GenSequence) -> None:
         """Moves a sequence whose prompt is now cached from the prefill rows to the decode rows."""
@@ -314,6 +346,7 @@ class ContinuousEngine(ThreadedEngine):
         cache = self.runner.cache
         if seq in self.decoding:
             i = self.decoding.index(seq)
+            self._remember_prefix(seq, i)
             last = self.decoding[-1]
             cache.move(len(self.decoding) - 1, i, last.num_computed)
             self.decoding[i] = last
@@ -327,6 +360,7 @@ class ContinuousEngine(ThreadedEngine):
         elif seq in self.prefilling:
             j = self.prefilling.index(seq)
             d = len(self.decoding)
+            self._remember_prefix(seq, d + j)
             tail = self.prefilling[-1]
             cache.move(d + len(self.prefilling) - 1, d + j, tail.num_computed)
             self.prefilling[j] = tail
@@ -339,6 +373,7 @@ class ContinuousEngine(ThreadedEngine):
         for seq in self._take_inbox(block=False):
             self._finish_now(seq, "error", reason)
         self.decoding, self.prefilling = [], []
+        self._reused.clear()
         self.runner.cache.release()
 
 
