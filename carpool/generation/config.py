@@ -209,16 +209,6 @@ class GeneratorConfig(StrictModel):
         return self
 
     @model_validator(mode="after")
-    def _prefix_cache_is_the_continuous_engines(self) -> GeneratorConfig:
-        if "prefix_cache_mb" in self.limits.model_fields_set and self.mode != "continuous":
-            raise ValueError(
-                f"limits.prefix_cache_mb is carpool's continuous engine's; mode {self.mode!r} "
-                "has none (vLLM caches prefixes in its own KV cache: "
-                "vllm.enable_prefix_caching): remove it"
-            )
-        return self
-
-    @model_validator(mode="after")
     def _one_context_length(self) -> GeneratorConfig:
         ours, theirs = self.limits.max_seq_len, self.vllm.max_model_len
         if ours is not None and theirs is not None and ours != theirs:

@@ -144,15 +144,3 @@ def test_the_next_turn_reuses_the_previous_answer_too(tiny) -> None:  # noqa: F8
     # Prompt and all but the last output token were cached after turn 1.
     hit = stats["prefix_cache_hit_tokens"]
     assert hit == (len(turn1) + len(first.tokens(0)) - 1) // 16 * 16 > len(turn1) // 16 * 16 - 16
-
-
-def test_prefix_cache_mb_is_refused_where_no_engine_honours_it() -> None:
-    from pydantic import ValidationError
-
-    from carpool.generation.config import GeneratorConfig
-
-    assert GeneratorConfig.model_validate({"limits": {"prefix_cache_mb": 0}}).mode == "continuous"
-    for mode in ("static", "vllm"):
-        with pytest.raises(ValidationError, match=r"prefix_cache_mb .* remove it"):
-            GeneratorConfig.model_validate({"mode": mode, "limits": {"prefix_cache_mb": 64}})
-        assert GeneratorConfig.model_validate({"mode": mode}).limits.prefix_cache_mb == 256
