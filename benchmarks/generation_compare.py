@@ -221,7 +221,8 @@ def main(argv: list[str] | None = None) -> int:
         help="any of continuous, static, vllm (needs vLLM installed: make vllm-venv), "
         "transformers (transformers' own continuous batching); a '-single' suffix "
         "(continuous-single) submits each request on its own instead of through the "
-        "arrival batch (what @serve.batch buys, paired)",
+        "arrival batch (what @serve.batch buys, paired); '-noprefix' (continuous-noprefix) "
+        "runs the continuous engine with its prefix cache off (limits.prefix_cache_mb 0)",
     )
     parser.add_argument("--requests", type=int, default=64)
     parser.add_argument("--rounds", type=int, default=1, help="alternating rounds per mode")
@@ -253,10 +254,12 @@ def main(argv: list[str] | None = None) -> int:
     for mode in modes:
         if mode == "transformers":
             continue
-        engine_mode, single = mode.removesuffix("-single"), mode.endswith("-single")
+        single, noprefix = mode.endswith("-single"), mode.endswith("-noprefix")
+        engine_mode = mode.removesuffix("-single").removesuffix("-noprefix")
         config = {
             "source": {"model": args.model},
             "mode": engine_mode,
+            **({"limits": {"prefix_cache_mb": 0}} if noprefix else {}),
             "batching": {
                 "max_num_seqs": args.max_num_seqs,
                 "max_step_tokens": args.max_step_tokens,

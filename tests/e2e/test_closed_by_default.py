@@ -97,6 +97,8 @@ def _wait_until_running(served: MakeServeRun) -> dict[str, str]:
             statuses = {name: app["status"] for name, app in apps.items()}
             if statuses and all(s == "RUNNING" for s in statuses.values()):
                 return statuses
+            if failed := {n: s for n, s in statuses.items() if s == "DEPLOY_FAILED"}:
+                pytest.fail(f"make serve could not deploy {failed}:\n{make_serve.tail(served.log)}")
             last = str(statuses) or last
         time.sleep(3)
     pytest.fail(
