@@ -178,7 +178,7 @@ def _gpu_facts() -> dict[str, Any]:
     }
 
 
-def _versions() -> dict[str, str]:
+def versions() -> dict[str, str]:
     import importlib.metadata as md
 
     found = {}
@@ -333,7 +333,7 @@ async def _traffic(args: argparse.Namespace, key: str, result: dict[str, Any]) -
 def run(args: argparse.Namespace, result: dict[str, Any]) -> None:
     started = time.monotonic()
     deadline = started + args.budget_s - 4 * args.load_s - 30
-    result["gpu"], result["versions"] = _gpu_facts(), _versions()
+    result["gpu"], result["versions"] = _gpu_facts(), versions()
     key = secrets.token_hex(16)
     scratch = Path(tempfile.mkdtemp(prefix="carpool-gpu-check-"))
     config = prepare_config(args.config.read_text(), str(scratch / "index"), args.port)

@@ -17,8 +17,8 @@ its own code on the device, with no server in front:
 
 Writes one JSON (``status``: ok | refused | failed). Without CUDA it refuses at once, unless
 ``--device cpu`` asks for the CPU (the unit test runs it so, on tiny models, with Ray
-blocked). The module imports only the standard library at its top; torch, transformers and
-carpool's Ray-free modules are imported where used.
+blocked). The module imports only the standard library and gpu_check's light helpers at its
+top; torch, transformers and carpool's Ray-free modules are imported where used.
 
     python -m benchmarks.gpu_torch_check --embedder DIR --generator DIR --out gpu-torch.json
     python -m benchmarks.gpu_torch_check          # the packaged models, where installed
@@ -36,6 +36,9 @@ import sys
 import time
 from pathlib import Path
 from typing import Any
+
+# Light at import (yaml, the standard library): no Ray, vLLM or pydantic.
+from benchmarks.gpu_check import versions, write
 
 ROOT = Path(__file__).resolve().parents[1]
 DEFAULT_OUT = ROOT / "benchmarks" / "results" / "gpu-torch-check.json"
@@ -282,18 +285,6 @@ def check_engine(source: str, device: str, n_requests: int, max_tokens: int) -> 
 # --- the run ---------------------------------------------------------------------------------
 
 
-def _versions() -> dict[str, str]:
-    import importlib.metadata as md
-
-    found = {}
-    for name in ("torch", "transformers", "ray", "vllm"):
-        try:
-            found[name] = md.version(name)
-        except md.PackageNotFoundError:
-            found[name] = "missing"
-    return found
-
-
 def _gpu() -> dict[str, Any] | None:
     import torch
 
@@ -305,12 +296,6 @@ def _gpu() -> dict[str, Any] | None:
         "memory_gib": round(props.total_memory / 2**30, 1),
         "torch_cuda": torch.version.cuda,
     }
-
-
-def write(result: dict[str, Any], out: Path) -> None:
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(result, indent=2) + "\n")
-    print(f"wrote {out}")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -334,7 +319,7 @@ def main(argv: list[str] | None = None) -> int:
         result["status"], result["reason"] = "refused", problem
         write(result, args.out)
         return 1
-    result["gpu"], result["versions"] = _gpu(), _versions()
+    result["gpu"], result["versions"] = _gpu(), versions()
     try:
         result["encoder"] = check_encoder(args.embedder, args.device, args.texts)
         result["engine"] = check_engine(args.generator, args.device, args.requests, args.max_tokens)

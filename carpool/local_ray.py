@@ -86,6 +86,49 @@ def ray_environment(env: Mapping[str, str] | None = None) -> dict[str, str]:
     return values
 
 
+def listening_sockets() -> dict[str, tuple[str, int]]:
+    """Every TCP socket in LISTEN state on this host, ``{inode: (address, port)}``, from
+    /proc/net/tcp{,6} (addresses as the kernel holds them: ``0.0.0.0``, ``::``,
+    ``::ffff:127.0.0.1``...)."""
+    found = {}
+    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+        try:
+            lines = Path(table).read_text().splitlines()[1:]
+        except OSError:
+            continue
+        for line in lines:
+            fields = line.split()
+            if fields[3] == "0A":  # LISTEN
+                address, port = fields[1].rsplit(":", 1)
+                found[fields[9]] = (_hex_address(address), int(port, 16))
+    return found
+
+
+def _hex_address(text: str) -> str:
+    """An address of /proc/net/tcp{,6}: little-endian 32-bit words, as text."""
+    raw = bytes.fromhex(text)
+    words = b"".join(raw[i : i + 4][::-1] for i in range(0, len(raw), 4))
+    return socket.inet_ntop(socket.AF_INET if len(words) == 4 else socket.AF_INET6, words)
+
+
+def socket_inodes(pid: int) -> set[str]:
+    """The inodes of the sockets ``pid`` holds open (empty once it is gone, or another
+    user's)."""
+    inodes = set()
+    try:
+        fds = os.listdir(f"/proc/{pid}/fd")
+    except OSError:
+        return inodes
+    for fd in fds:
+        try:
+            target = os.readlink(f"/proc/{pid}/fd/{fd}")
+        except OSError:
+            continue
+        if target.startswith("socket:["):
+            inodes.add(target[8:-1])
+    return inodes
+
+
 def port_holder(port: int, host: str = "127.0.0.1") -> str | None:
     """Who listens on ``host:port`` (pid and command line where /proc shows them), or None
     when the port is free."""
@@ -96,39 +139,16 @@ def port_holder(port: int, host: str = "127.0.0.1") -> str | None:
             return None
         except OSError:
             pass
-    inodes = _listening_inodes(port)
+    inodes = {inode for inode, (_, p) in listening_sockets().items() if p == port}
     for pid in filter(str.isdigit, os.listdir("/proc")):
-        try:
-            fds = os.listdir(f"/proc/{pid}/fd")
-        except OSError:
-            continue
-        for fd in fds:
+        if socket_inodes(int(pid)) & inodes:
             try:
-                target = os.readlink(f"/proc/{pid}/fd/{fd}")
+                raw = Path(f"/proc/{pid}/cmdline").read_bytes()
             except OSError:
-                continue
-            if target.startswith("socket:[") and target[8:-1] in inodes:
-                try:
-                    raw = Path(f"/proc/{pid}/cmdline").read_bytes()
-                except OSError:
-                    raw = b""
-                command = " ".join(raw.replace(b"\0", b" ").decode(errors="replace").split())
-                return f"pid {pid} ({command[:120] or '?'})"
+                raw = b""
+            command = " ".join(raw.replace(b"\0", b" ").decode(errors="replace").split())
+            return f"pid {pid} ({command[:120] or '?'})"
     return "a process this user cannot see"
-
-
-def _listening_inodes(port: int) -> set[str]:
-    inodes = set()
-    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
-        try:
-            lines = Path(table).read_text().splitlines()[1:]
-        except OSError:
-            continue
-        for line in lines:
-            fields = line.split()
-            if fields[3] == "0A" and int(fields[1].rsplit(":", 1)[1], 16) == port:
-                inodes.add(fields[9])
-    return inodes
 
 
 def preflight(ports: Sequence[int]) -> list[str]:

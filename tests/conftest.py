@@ -19,7 +19,8 @@ from pathlib import Path
 import pytest
 
 # Every Ray the tests start is closed as `make serve`'s is: token auth (the token created
-# once, owner-only, where Ray looks), its ports on 127.0.0.1 (carpool/local_ray.py).
+# once, owner-only, where Ray looks), its ports on 127.0.0.1 (carpool/local_ray.py). Set
+# here, before anything imports Ray: a driver reads its auth mode once, at import.
 os.environ.setdefault("RAY_AUTH_MODE", "token")
 # Ray's usage stats reporter phones home; nothing here may reach the network.
 os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")

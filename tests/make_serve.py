@@ -34,6 +34,8 @@ from pathlib import Path
 import pytest
 import yaml
 
+from carpool import local_ray
+
 ROOT = Path(__file__).resolve().parents[1]
 MARKER = "CARPOOL_MAKE_SERVE_TEST_RUN"
 
@@ -134,33 +136,15 @@ class ListeningSocket:
         return self.host in ("127.0.0.1", "::1", "::ffff:127.0.0.1") or self.host.startswith("127.")
 
 
-def _hex_address(text: str) -> str:
-    """An address of /proc/net/tcp{,6} (little-endian 32-bit words) as text."""
-    raw = bytes.fromhex(text)
-    words = b"".join(raw[i : i + 4][::-1] for i in range(0, len(raw), 4))
-    if len(words) == 4:
-        return socket.inet_ntop(socket.AF_INET, words)
-    return socket.inet_ntop(socket.AF_INET6, words)
-
-
 def listening_sockets(pids: Iterable[int]) -> list[ListeningSocket]:
     """Every TCP socket in LISTEN state that one of ``pids`` holds, read from /proc."""
-    listening: dict[str, tuple[str, int]] = {}  # inode: (host, port)
-    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
-        for line in _read(table).decode().splitlines()[1:]:
-            fields = line.split()
-            if fields[3] == "0A":
-                host, port = fields[1].rsplit(":", 1)
-                listening[fields[9]] = (_hex_address(host), int(port, 16))
-    found = set()
-    for pid in pids:
-        with contextlib.suppress(OSError):
-            for fd in os.listdir(f"/proc/{pid}/fd"):
-                with contextlib.suppress(OSError):
-                    target = os.readlink(f"/proc/{pid}/fd/{fd}")
-                    inode = target[8:-1] if target.startswith("socket:[") else None
-                    if inode in listening:
-                        found.add(ListeningSocket(*listening[inode], pid))
+    listening = local_ray.listening_sockets()
+    found = {
+        ListeningSocket(*listening[inode], pid)
+        for pid in pids
+        for inode in local_ray.socket_inodes(pid)
+        if inode in listening
+    }
     return sorted(found, key=lambda s: (s.port, s.host, s.pid))
 
 

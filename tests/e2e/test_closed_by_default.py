@@ -24,6 +24,7 @@ from __future__ import annotations
 import contextlib
 import ipaddress
 import os
+import socket
 import subprocess
 import time
 from collections.abc import Callable, Iterator
@@ -144,8 +145,6 @@ def _target(host: str, port: int) -> str:
 
 
 def _connects(host: str, port: int) -> bool:
-    import socket
-
     try:
         with socket.create_connection((host, port), timeout=3):
             return True

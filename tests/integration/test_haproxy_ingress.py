@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import asyncio
 import os
-import socket
 import threading
 import time
 from pathlib import Path
@@ -19,6 +18,7 @@ import httpx
 import pytest
 from ray import serve
 
+from carpool.local_ray import listening_sockets, socket_inodes
 from tests.conftest import deploy_declaratively
 
 pytestmark = pytest.mark.skipif(
@@ -44,31 +44,8 @@ def haproxy_pids() -> list[int]:
 
 def listening(pid: int) -> list[tuple[str, int]]:
     """(address, port) of every TCP socket ``pid`` listens on, from /proc/net/tcp{,6}."""
-    inodes = set()
-    for fd in Path(f"/proc/{pid}/fd").iterdir():
-        try:
-            target = os.readlink(fd)
-        except OSError:
-            continue
-        if target.startswith("socket:["):
-            inodes.add(target[8:-1])
-    found = []
-    for table, family in (("tcp", socket.AF_INET), ("tcp6", socket.AF_INET6)):
-        for line in Path(f"/proc/{pid}/net/{table}").read_text().splitlines()[1:]:
-            fields = line.split()
-            local, state, inode = fields[1], fields[3], fields[9]
-            if state != "0A" or inode not in inodes:  # 0A: LISTEN
-                continue
-            hex_addr, hex_port = local.split(":")
-            raw = bytes.fromhex(hex_addr)
-            if family == socket.AF_INET:
-                addr = socket.inet_ntop(family, raw[::-1])
-            else:  # four little-endian 32-bit words
-                addr = socket.inet_ntop(
-                    family, b"".join(raw[i : i + 4][::-1] for i in range(0, 16, 4))
-                )
-            found.append((addr, int(hex_port, 16)))
-    return found
+    sockets = listening_sockets()
+    return [sockets[inode] for inode in socket_inodes(pid) if inode in sockets]
 
 
 def is_loopback(addr: str) -> bool:
