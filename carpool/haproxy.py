@@ -327,6 +327,10 @@ def ray_environment(
         "RAY_SERVE_HAPROXY_BINARY_PATH": binary or wrapper_path(),
         "RAY_SERVE_HAPROXY_HARD_STOP_AFTER_S": str(hard_stop_after_s),
         "RAY_SERVE_HAPROXY_TUNE_BUFSIZE": str(BUFSIZE_BYTES),
+        # A deployment with an ingress request router (pipelines.placement) gets each POST's
+        # body to place it by its prompt; the same buffer (Ray's default is 8 MiB a buffer).
+        "RAY_SERVE_INGRESS_REQUEST_ROUTER_FORWARD_BODY": "1",
+        "RAY_SERVE_HAPROXY_INGRESS_REQUEST_ROUTER_BUFSIZE": str(BUFSIZE_BYTES),
         STATS_HOST_VAR: stats_host,
         METRICS_HOST_VAR: metrics_host,
     }

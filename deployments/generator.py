@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
 import time
 from collections.abc import AsyncIterator, Sequence
 from contextlib import aclosing
@@ -58,6 +59,13 @@ from carpool.generation.structured import (
 )
 from carpool.generation.vllm_env import check_replica_environment
 from carpool.priority import apply_replica_priority
+from router.placement import (
+    CAPACITY_TOKENS,
+    GENERATION,
+    PENDING_DECODE_TOKENS,
+    PENDING_PREFILL_TOKENS,
+    REPORTED_AT,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -116,6 +124,9 @@ class GeneratorServer:
         self.token_texts = TokenTexts(lambda ids: self.tokenizer.decode(ids))
         self._grammars: ConstraintCompiler | None = None  # built at the first constraint
         self._collector: ArrivalCollector | None = None
+        # Sequences submitted and not finished, for the work this replica reports to routers.
+        self._live: dict[int, GenSequence] = {}
+        self._generation = f"{os.getpid()}-{time.time():.6f}"  # a restart is a new one
 
     # --- control --------------------------------------------------------------------------
 
@@ -149,6 +160,28 @@ class GeneratorServer:
         """Serve's custom autoscaling metrics: a replica is full at max_num_seqs running
         sequences under the knobs in force (``carpool.autoscaling`` aims at it)."""
         return {CAPACITY_METRIC: float(self.batching.max_num_seqs)}
+
+    def record_routing_stats(self) -> dict[str, Any]:
+        """What request routers read to place requests (``router.placement``): the prompt
+        tokens still to prefill and the output tokens still to decode here, and the KV
+        cache's size in tokens. Serve polls it (``request_routing_stats_period_s``)."""
+        prefill = decode = 0
+        for seq in list(self._live.values()):
+            if not seq.output_ids:
+                prefill += len(seq.prompt_ids)
+            expected = seq.predicted_tokens or seq.params.max_tokens
+            decode += max(0, int(expected) - len(seq.output_ids))
+        totals = getattr(self.engine, "totals", {})
+        return {
+            PENDING_PREFILL_TOKENS: prefill,
+            PENDING_DECODE_TOKENS: decode,
+            CAPACITY_TOKENS: getattr(self.engine, "kv_capacity_tokens", lambda: 0)(),
+            REPORTED_AT: time.time(),
+            GENERATION: self._generation,
+            # Cumulative, for reports: how much of the prompts the engine's cache served.
+            "prompt_tokens": totals.get("prompt_tokens", 0),
+            "prompt_cached_tokens": totals.get("prompt_cached_tokens", 0),
+        }
 
     def check_health(self) -> None:
         """Serve's health check: raises when the engine cannot serve, so Serve replaces us."""
@@ -309,6 +342,9 @@ class GeneratorServer:
         stream = ticket.stream
         if stream is None:  # abandoned or never submitted: nothing to relay
             raise RequestError(503, f"model {self.name!r} did not take the request; retry")
+        live = [seq for seq in ticket.seqs or () if seq.id not in self._live]
+        for seq in live:
+            self._live[seq.id] = seq
         try:
             yield "start", ticket.prompt_tokens
             while not stream.done:
@@ -327,6 +363,8 @@ class GeneratorServer:
                         )
                 yield "events", events
         finally:
+            for seq in live:
+                self._live.pop(seq.id, None)
             stream.close()
 
     def _logprobs(self, event: SeqEvent) -> dict[str, Any]:
@@ -470,10 +508,12 @@ def build_generator_deployment(
     deployment_cls: type[GeneratorDeployment] = GeneratorDeployment,
     bind_args: Sequence[Any] = (),
     deployment_actors: Sequence[Any] = (),
+    request_router: Any = None,
 ) -> Application:
     """Applies the Serve options from ``config`` and binds the deployment (a subclass, such
     as the generate app's direct-streaming ingress, gets ``bind_args`` after the config, and
-    the deployment-scoped actors it uses)."""
+    the deployment-scoped actors it uses; ``request_router``: Serve's RequestRouterConfig
+    for the replica choice, None for Serve's default)."""
     options: dict[str, Any] = {
         **config.serve_options(name),
         "user_config": config.batching.model_dump(),
@@ -481,4 +521,6 @@ def build_generator_deployment(
     }
     if deployment_actors:
         options["deployment_actors"] = list(deployment_actors)
+    if request_router is not None:
+        options["request_router_config"] = request_router
     return serve.deployment(deployment_cls).options(**options).bind(config.model_dump(), *bind_args)

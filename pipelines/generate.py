@@ -44,6 +44,7 @@ from pipelines.generate_handler import (
     GenerateArgs,
     GenerateHandler,
 )
+from pipelines.placement import haproxy_enabled, with_placement_router
 from pipelines.router_access import ROUTER_DEPLOYMENT
 from router.deployment import HostedRouter, predictor_store
 
@@ -206,15 +207,22 @@ def build_generate_app(args: dict[str, Any] | None = None) -> Application:
     """The generate pipeline: ingress (hosting the router) -> small and large generators."""
     parsed = GenerateArgs.model_validate(args or {})
     large = build_generator_deployment(parsed.large, "large") if parsed.large else None
+    placement = parsed.placement
     if parsed.direct_streaming:
-        return build_generator_deployment(
+        direct = build_generator_deployment(
             parsed.small,
             DIRECT_INGRESS,
             DirectGenerateIngress,
             (large, parsed.model_dump()),
             deployment_actors=_router_actors(parsed, parsed.small.replica.resources),
+            request_router=placement.request_router_config(),
         )
-    small = build_generator_deployment(parsed.small, "small")
+        # Under HAProxy, HAProxy asks the placement router; under Serve's Python proxy, the
+        # proxy's handle runs the deployment's request router itself.
+        return with_placement_router(direct, placement) if haproxy_enabled() else direct
+    small = build_generator_deployment(
+        parsed.small, "small", request_router=placement.request_router_config()
+    )
     options = parsed.ingress.serve_options(GENERATE_INGRESS)
     actors = _router_actors(parsed, parsed.ingress.resources)
     if actors:

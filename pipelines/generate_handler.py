@@ -14,12 +14,12 @@ from collections.abc import AsyncIterator, Callable
 from typing import Any, Literal
 
 from fastapi.responses import JSONResponse
-from pydantic import Field
+from pydantic import Field, model_validator
 from ray import serve
 from ray.serve.handle import DeploymentHandle
 
 from carpool.admission import current_controls
-from carpool.calls import call_backend, call_idempotent, open_stream
+from carpool.calls import call_backend, call_idempotent, call_once, open_stream
 from carpool.config import IngressConfig, ModelSourceConfig, StrictModel
 from carpool.error_body import error_response
 from carpool.errors import RequestError, find_request_error
@@ -46,12 +46,16 @@ from carpool.generation.tools import ToolParser
 from carpool.http import ClosingStreamingResponse
 from carpool.schemas import ModelCard
 from pipelines.handler import PipelineHandler
+from pipelines.placement import PlacementArgs
 from pipelines.router_access import router_handle
 from router.config import RouterConfig
 
 logger = logging.getLogger(__name__)
 
 TIERS = ("small", "large")
+# The tier the router answers: it retries its own calls to the generators, so the handler
+# calls it once (carpool.calls.call_once), never inside a second retry loop.
+AUTO = "auto"
 # Deployment names other apps find this pipeline's parts by (serve.get_deployment_handle); the
 # generators are named by their tier.
 GENERATE_INGRESS = "generate_ingress"
@@ -89,7 +93,32 @@ class GenerateArgs(StrictModel):
         "cluster configs (docs/generation.md, Direct streaming). `ingress` then only sets "
         "the default deadline.",
     )
+    placement: PlacementArgs = Field(
+        default_factory=PlacementArgs,
+        description="Which small replica a request reaches (pipelines.placement): HAProxy's "
+        "leastconn, or carpool's cost router (prefix cache, queued work, output length).",
+    )
     ingress: IngressConfig = Field(default_factory=IngressConfig)
+
+    @model_validator(mode="after")
+    def _one_queue_order(self) -> "GenerateArgs":
+        # One owner per queue order: the router's lanes put `auto` requests in
+        # shortest-predicted-first order (with aging) before they reach a generator; vLLM's
+        # priority scheduling would order the same requests a second time, with aging and
+        # bounds of its own.
+        if self.router is None or not self.router.lanes_enabled:
+            return self
+        for tier, cfg in (("small", self.small), ("large", self.large)):
+            if cfg is not None and cfg.mode == "vllm" and cfg.vllm.priority_scheduling:
+                raise ValueError(
+                    f"router.lanes_enabled (true) and {tier}.vllm.priority_scheduling (true) "
+                    "both order `auto` requests by predicted length, in two queues; keep one: "
+                    f"set {tier}.vllm.priority_scheduling: false where the router caps what "
+                    "it hands a replica (router.max_in_flight_per_replica: its lanes hold the "
+                    "backlog, as in serve.yaml), or router.lanes_enabled: false where it does "
+                    "not (the backlog waits in vLLM's queue; docs/vllm.md, Priority)"
+                )
+        return self
 
 
 # A stream's formatter: given the model that answers, event -> the chunks it becomes.
@@ -204,7 +233,7 @@ class GenerateHandler(PipelineHandler):
         self.configs = configs
         if router is not None:
             # "auto": the router picks small or large per request (and may escalate).
-            self.handles["auto"] = router
+            self.handles[AUTO] = router
         self.aliases = {
             name: tier for name, tier in model_aliases(args).items() if tier in self.handles
         }
@@ -253,7 +282,15 @@ class GenerateHandler(PipelineHandler):
         payload = with_controls(call)
         if formatter is not None:
             return await self._stream(tier, handle, payload, model, formatter), model
-        return await call_idempotent(tier, lambda: handle.generate.remote(payload)), model
+        return await self._call(tier, lambda: handle.generate.remote(payload)), model
+
+    async def _call(self, tier: str, make_call: Callable[[], Any]) -> Any:
+        """Calls a tier: a named model retried here (``call_idempotent``); ``auto`` once
+        (``call_once``), since the router retries its own calls to the generators and a second
+        loop around it would retry each refusal twice over and re-run its decision."""
+        if tier == AUTO:
+            return await call_once(tier, make_call)
+        return await call_idempotent(tier, make_call)
 
     async def completion_response(self, body: CompletionRequest) -> Any:
         def formatter(answered: str) -> EventFormat:
@@ -440,8 +477,9 @@ class GenerateHandler(PipelineHandler):
     ) -> ClosingStreamingResponse:
         # The first event comes after the replica validated and queued the request, so bad
         # input still gets a plain 4xx response rather than an error inside a 200 stream, and
-        # a replica's overload refusal is tried on another replica before any token exists.
-        events, first = await call_idempotent(tier, lambda: open_stream(handle, call))
+        # a replica's overload refusal is tried on another replica before any token exists
+        # (here, or for `auto` in the router).
+        events, first = await self._call(tier, lambda: open_stream(handle, call))
         headers = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
         headers.update(decision_headers(first.decision))
         # 'auto': the router chose before generating and its start event says which model;

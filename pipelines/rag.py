@@ -24,7 +24,7 @@ from ray.serve.handle import DeploymentHandle
 
 from carpool.admission import current_controls
 from carpool.auth import health_body
-from carpool.calls import call_idempotent
+from carpool.calls import call_idempotent, call_once
 from carpool.config import IngressConfig, StrictModel
 from carpool.errors import RequestError
 from carpool.generation.schemas import GenerationCall
@@ -212,7 +212,10 @@ class RagHandler(PipelineHandler):
                 headers=headers,
             )
         generator = self._generator()
-        result = await call_idempotent("generator", lambda: generator.generate.remote(call))
+        # The router retries its own calls to the generators: one loop, not one around it.
+        via_router = self.args.generator_deployment == ROUTER_DEPLOYMENT
+        call_generator = call_once if via_router else call_idempotent
+        result = await call_generator("generator", lambda: generator.generate.remote(call))
         choice = result.choices[0]
         response: dict[str, Any] = {
             "id": f"chatcmpl-{uuid.uuid4().hex}",

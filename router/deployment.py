@@ -4,9 +4,10 @@
 handles; ``model: "auto"`` is decided in the ingress replica that received the request, with
 no router deployment in between (docs/ingress.md, hops per URL). Serve-side only: its caps
 follow the live replicas of each model and of the hosting deployment (``carpool.topology``),
-a replica's overload refusal is tried on another replica of the same model
-(``carpool.calls``), its length predictor merges with the other hosting replicas' through
-a deployment-scoped actor, and its decisions go to Ray metrics.
+its calls to the generators are retried here and nowhere else (``_HandleClient``: a refusal
+on another replica of the same model, a lost replica once elsewhere; ``carpool.calls``), its
+length predictor merges with the other hosting replicas' through a deployment-scoped actor,
+and its decisions go to Ray metrics.
 """
 
 from __future__ import annotations
@@ -23,7 +24,7 @@ from carpool.calls import (
     Recount,
     RefusalMemory,
     await_or_cancel,
-    call_refusable,
+    call_retrying,
     no_live_counts,
     open_stream,
 )
@@ -93,34 +94,44 @@ class RayRouterMetrics:
 class _HandleClient:
     """Adapts a generator DeploymentHandle to the GeneratorClient protocol.
 
-    A replica's overload refusal (decided before it generates anything) is tried on another
-    replica of the same model while one has room (carpool/calls.py).
+    The one retry loop of an ``auto`` request (``carpool.calls.call_retrying``; the ingress
+    calling the router does not retry, ``call_once``): a replica's overload refusal (decided
+    before it generates anything) is tried on another replica of the same model while one has
+    room, and a call whose replica died before answering, or before a stream's first event, is
+    tried once elsewhere. A stream under way is never restarted.
     """
 
     def __init__(
-        self, handle: Any, live: LiveCount = no_live_counts, recount: Recount | None = None
+        self,
+        handle: Any,
+        live: LiveCount = no_live_counts,
+        recount: Recount | None = None,
+        name: str = "generator",
     ) -> None:
         self.handle = handle
         self.live = live
         self.recount = recount
+        self.name = name
         self.refusals = RefusalMemory()
 
     async def generate(self, call: GenerationCall) -> GenerationResult:
-        return await call_refusable(
+        return await call_retrying(
             lambda: await_or_cancel(self.handle.generate.remote(call)),
             self.refusals,
             call.priority,
             self.live,
             recount=self.recount,
+            stage=self.name,
         )
 
     async def stream(self, call: GenerationCall) -> AsyncIterator[GenerationEvent]:
-        events, first = await call_refusable(
+        events, first = await call_retrying(
             lambda: open_stream(self.handle, call),
             self.refusals,
             call.priority,
             self.live,
             recount=self.recount,
+            stage=self.name,
         )
         finished = False
         try:
@@ -157,10 +168,10 @@ class HostedRouter(RouterServer):
         self._deployments = {SMALL: f"{app}/small", LARGE: f"{app}/large"}
         self._live = live_replicas()
         clients: dict[str, GeneratorClient] = {
-            SMALL: _HandleClient(small, self._live.count, self._live.recount)
+            SMALL: _HandleClient(small, self._live.count, self._live.recount, SMALL)
         }
         if large is not None:
-            clients[LARGE] = _HandleClient(large, self._live.count, self._live.recount)
+            clients[LARGE] = _HandleClient(large, self._live.count, self._live.recount, LARGE)
         super().__init__(config, clients, caps=self._cap, share_predictor=where is not None)
         self._small = small
         self._epoch: str | None = None

@@ -92,6 +92,7 @@ def priority_layout(config: dict[str, Any]) -> None:
     args = app_entry(config, "generate")["args"]
     aging = args["router"]["aging_tokens_per_s"]
     args["small"].setdefault("vllm", {}).update(priority_scheduling=True, aging_tokens_per_s=aging)
+    args["router"]["lanes_enabled"] = False  # one queue order: the engine's (GenerateArgs)
 
 
 def engine_aging_layout(config: dict[str, Any]) -> None:

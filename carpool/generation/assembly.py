@@ -58,6 +58,7 @@ class EngineCore(ABC):
             "steps": 0,
             "sequences_finished": 0,
             "prompt_tokens": 0,
+            "prompt_cached_tokens": 0,  # of those, found in a prefix cache
             "output_tokens": 0,  # of finished sequences
             "tokens_generated": 0,  # as they are sampled
             "prefill_s": 0.0,
@@ -109,6 +110,10 @@ class EngineCore(ABC):
     @abstractmethod
     def stats(self) -> dict[str, Any]:
         """Current and cumulative figures of this engine."""
+
+    def kv_capacity_tokens(self) -> int:
+        """Tokens this engine's KV cache holds at once; 0: not known (routers then assume)."""
+        return 0
 
     @abstractmethod
     def num_waiting(self) -> int:
@@ -218,6 +223,7 @@ class EngineCore(ABC):
                 self.mean_slot_s = held if done == 0 else 0.9 * self.mean_slot_s + 0.1 * held
             self.totals["sequences_finished"] += 1
             self.totals["prompt_tokens"] += seq.num_prompt_tokens
+            self.totals["prompt_cached_tokens"] += seq.cached_tokens
             self.totals["output_tokens"] += len(seq.output_ids)
             key = f"finished_{reason}"
             self.totals[key] = self.totals.get(key, 0) + 1

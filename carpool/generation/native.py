@@ -321,7 +321,7 @@ class ContinuousEngine(ThreadedEngine):
         hit = self.prefix_cache.lookup(seq.prompt_ids)
         if hit is not None:
             self._reused[seq.id] = hit
-            seq.num_computed = hit[1]
+            seq.num_computed = seq.cached_tokens = hit[1]
 
     def _remember_prefix(self, seq: GenSequence, row: int) -> None:
         """Keeps the values a leaving sequence computed (prompt and output) for later prompts."""

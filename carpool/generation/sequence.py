@@ -89,6 +89,7 @@ class GenSequence:
         self.output_ids: list[int] = []
         self.output_logprobs: list[float] = []
         self.num_computed = 0  # tokens whose keys/values are in the KV cache
+        self.cached_tokens = 0  # prompt tokens an engine found in its prefix cache
         self.cancelled = False  # set from any thread; the engine acts at its next step
         self.finish_reason: str | None = None
         self.arrival = time.monotonic()

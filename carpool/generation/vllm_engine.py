@@ -216,6 +216,9 @@ class VllmEngine(EngineCore):
             )
         self.limits.max_step_tokens = max_step_tokens
 
+    def kv_capacity_tokens(self) -> int:
+        return self.num_blocks * self.block_size
+
     def num_waiting(self) -> int:
         """Sequences submitted that vLLM is not running yet (as of its last iteration)."""
         return max(0, len(self._flights) - self._engine.running)
@@ -288,6 +291,8 @@ class VllmEngine(EngineCore):
             async for out in stream:
                 self.last_progress = time.monotonic()
                 completion = out.outputs[0]
+                if out.num_cached_tokens:  # vLLM's prefix cache served these prompt tokens
+                    seq.cached_tokens = out.num_cached_tokens
                 vllm_reason = completion.finish_reason
                 logprobs = completion.logprobs or []
                 for i, token in enumerate(completion.token_ids):

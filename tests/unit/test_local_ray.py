@@ -117,5 +117,7 @@ def test_make_serve_runs_its_own_ray_with_this_environment() -> None:
     makefile = (Path(__file__).resolve().parents[2] / "Makefile").read_text()
     assert "export RAY_AUTH_MODE ?= token" in makefile
     recipe = makefile.split("\nserve: ", 1)[1].split("\n\n", 1)[0]
-    assert "$(LOCAL_RAY_ENV)" in recipe and "serve run --address local serve.yaml" in recipe
-    assert "carpool.local_ray env serve.yaml" in makefile
+    assert "$(LOCAL_RAY_ENV)" in recipe
+    assert "serve run --address local $(SERVE_CONFIG)" in recipe
+    assert "carpool.local_ray env $(SERVE_CONFIG)" in makefile
+    assert "SERVE_CONFIG ?= serve.yaml" in makefile

@@ -486,7 +486,8 @@ def test_carpool_layouts_change_only_their_thread_knobs() -> None:
     assert (vllm_two.pop("cpu_executor"), vllm_two.pop("cpu_threads")) == ("uni", 2)
     assert two == shipped
 
-    # The priority variant changes only the small engine's scheduling policy and its aging.
+    # The priority variant changes only the small engine's scheduling policy and its aging,
+    # and leaves the queue order to the engine alone (the router's lanes off: one order).
     assert (
         layouts.app_entry(shipped, "generate")["args"]["small"]["vllm"]["priority_scheduling"]
         is False
@@ -496,6 +497,7 @@ def test_carpool_layouts_change_only_their_thread_knobs() -> None:
     vllm_ordered = layouts.app_entry(ordered, "generate")["args"]["small"]["vllm"]
     assert vllm_ordered.pop("aging_tokens_per_s") == 5.0  # the router lanes' aging
     vllm_ordered["priority_scheduling"] = False
+    assert layouts.app_entry(ordered, "generate")["args"]["router"].pop("lanes_enabled") is False
     assert ordered == shipped
 
     # The embedder-priority variants change only the embedder's replica priority fields.

@@ -12,7 +12,7 @@ import pytest
 from pydantic import ValidationError
 
 from carpool.admission import RequestControls, SlotQueue, slot_refusal
-from carpool.calls import RefusalMemory, call_refusable
+from carpool.calls import RefusalMemory, call_retrying
 from carpool.errors import RequestError, find_request_error
 from carpool.topology import DeploymentView, LiveReplicas, parse_serve_details
 from router.config import RouterConfig
@@ -63,7 +63,7 @@ def _two_replicas_a_full(order: list[str]) -> tuple[str, list[str]]:
         return f"answered by {replica}"
 
     live = {"generate/small": 2}.get
-    return asyncio.run(call_refusable(attempt, RefusalMemory(), "interactive", live)), calls
+    return asyncio.run(call_retrying(attempt, RefusalMemory(), "interactive", live)), calls
 
 
 def test_a_refused_request_is_tried_on_another_replica_once_each() -> None:
@@ -78,7 +78,7 @@ def test_a_refused_request_is_tried_on_another_replica_once_each() -> None:
         raise full("a")
 
     with pytest.raises(RequestError):
-        asyncio.run(call_refusable(always_full, RefusalMemory(), "interactive", {}.get))
+        asyncio.run(call_retrying(always_full, RefusalMemory(), "interactive", {}.get))
     assert calls == ["a"]
 
     # Two live replicas both full: each tried once, then refused.
@@ -91,7 +91,7 @@ def test_a_refused_request_is_tried_on_another_replica_once_each() -> None:
         raise full(name)
 
     with pytest.raises(RequestError):
-        asyncio.run(call_refusable(both_full, RefusalMemory(), "interactive", live))
+        asyncio.run(call_retrying(both_full, RefusalMemory(), "interactive", live))
     assert calls == ["a", "b"]
 
 
@@ -119,7 +119,7 @@ def test_a_replica_started_since_the_last_poll_is_tried_before_giving_up() -> No
         return f"answered by {name}"
 
     answer = asyncio.run(
-        call_refusable(attempt, RefusalMemory(), "interactive", live.count, recount=live.recount)
+        call_retrying(attempt, RefusalMemory(), "interactive", live.count, recount=live.recount)
     )
     assert answer == "answered by b" and len(fetches) == 2
 
@@ -137,14 +137,14 @@ def test_a_replica_started_since_the_last_poll_is_tried_before_giving_up() -> No
 
     with pytest.raises(RequestError):
         asyncio.run(
-            call_refusable(only_a, RefusalMemory(), "interactive", live.count, recount=live.recount)
+            call_retrying(only_a, RefusalMemory(), "interactive", live.count, recount=live.recount)
         )
     assert tries == ["a"] and len(fetches) == 2
     # Counts younger than 1 s are not fetched again: sustained refusals cost the controller
     # at most one fetch a second per process.
     with pytest.raises(RequestError):
         asyncio.run(
-            call_refusable(only_a, RefusalMemory(), "interactive", live.count, recount=live.recount)
+            call_retrying(only_a, RefusalMemory(), "interactive", live.count, recount=live.recount)
         )
     assert tries == ["a", "a"] and len(fetches) == 2
 
@@ -194,7 +194,7 @@ def test_a_replica_that_refused_another_request_moments_ago_is_still_tried() -> 
         return f"answered by {name}"
 
     live = {"generate/small": 2}.get
-    assert asyncio.run(call_refusable(attempt, memory, "interactive", live)) == "answered by b"
+    assert asyncio.run(call_retrying(attempt, memory, "interactive", live)) == "answered by b"
     assert tries == ["a", "b"]
 
 
@@ -276,7 +276,7 @@ def test_only_overload_refusals_are_retried() -> None:
 
         with pytest.raises(type(error)):
             asyncio.run(
-                call_refusable(failing, RefusalMemory(), "interactive", {"generate/small": 3}.get)
+                call_retrying(failing, RefusalMemory(), "interactive", {"generate/small": 3}.get)
             )
         assert calls == [1]
 

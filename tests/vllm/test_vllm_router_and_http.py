@@ -62,6 +62,8 @@ def app(serve_http: str, smollm2: str) -> Any:
     small = generator_config(smollm2, "vllm")
     small["source"]["served_model_name"] = "small"
     small["replica"] = {"num_cpus": 0.25, "torch_threads": 1}
+    # One queue order: the router's lanes order `auto`, vLLM takes arrival order (serve.yaml).
+    small["vllm"] = {**small["vllm"], "priority_scheduling": False}
     args = {
         "small": small,
         "large": None,  # model auto then routes everything to small (no cascade to wait on)
