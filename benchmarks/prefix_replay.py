@@ -263,6 +263,19 @@ def replica_counters() -> dict[str, dict[str, float]]:
     return counters
 
 
+def router_cpu_s() -> float | None:
+    """CPU seconds the placement router's replica has used so far (None: no router)."""
+    import ray
+
+    for entry in ray.util.list_named_actors(all_namespaces=True):
+        if "#placement_router#" in entry["name"]:
+            actor = ray.get_actor(entry["name"], namespace=entry["namespace"])
+            pid = ray.get(actor.__ray_call__.remote(lambda _self: os.getpid()))
+            fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+            return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+    return None
+
+
 def hit_rates(before: dict[str, Any], after: dict[str, Any]) -> dict[str, float]:
     rates = {}
     for name, now in after.items():
@@ -414,10 +427,15 @@ def main() -> None:
             deploy(args.replicas, SYSTEMS[name])
             warm(cluster.base_url)
             ready_s = time.perf_counter() - started
-            before = replica_counters()
+            before, cpu_before = replica_counters(), router_cpu_s()
             outcomes, t0 = asyncio.run(replay(cluster.base_url, requests))
             summary = summarize(outcomes, t0)
             summary["replica_prefix_hit_rate"] = hit_rates(before, replica_counters())
+            if cpu_before is not None:
+                # The routing decision's cost: the placement router's CPU per request (its
+                # HTTP from HAProxy's Lua, the body's JSON, the policy).
+                cpu = (router_cpu_s() or 0.0) - cpu_before
+                summary["router_cpu_ms_per_request"] = 1000 * cpu / len(requests)
             summary["deploy_s"] = ready_s
         finally:
             cluster.shutdown()

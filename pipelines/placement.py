@@ -46,7 +46,10 @@ class PlacementArgs(StrictModel):
         "Serve LLM's PrefixCacheAffinityRouter (for comparison).",
     )
     block_chars: int = Field(
-        default=256, ge=16, le=65536, description="cost: characters per hashed prompt block."
+        default=64,
+        ge=16,
+        le=65536,
+        description="cost: characters per hashed prompt block (about vLLM's 16-token block).",
     )
     chars_per_token: float = Field(
         default=4.0, gt=0, le=32, description="cost: characters per token, to size caches."

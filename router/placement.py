@@ -98,7 +98,7 @@ def _content_text(content: Any) -> str:
 class PlacementSettings:
     """The cost model's knobs (``pipelines.placement.PlacementArgs`` describes each)."""
 
-    block_chars: int = 256
+    block_chars: int = 64
     chars_per_token: float = 4.0
     prefill_weight: float = 1.0
     default_output_tokens: float = 128.0

@@ -18,7 +18,7 @@ from router.placement import (
     prompt_text,
 )
 
-SYSTEM = "You are a helpful assistant. " * 20  # 580 chars: two whole 256-char blocks
+SYSTEM = "You are a helpful assistant. " * 20  # 580 chars: whole blocks at any size here
 
 
 class Clock:
