@@ -322,7 +322,6 @@ def deploy_ray_serve_llm(replicas: int, port: int) -> None:
     )
     from ray.serve.llm import LLMConfig, build_openai_app
 
-    os.environ.update(local_ray.ray_environment())
     # Its ingress asks for a CPU the engines' bundles already took (../shared/PLATFORM.md).
     ray.init(
         address="local", num_cpus=2 * replicas + 2, include_dashboard=False, log_to_driver=False
@@ -393,6 +392,8 @@ def main() -> None:
     parser.add_argument("--limit", type=int, default=0, help="first N requests only (0: all)")
     parser.add_argument("--out", default="benchmarks/results/prefix-replay.json")
     args = parser.parse_args()
+    # Before Ray is imported: it reads its auth mode then (token auth, loopback only).
+    os.environ.update(local_ray.ray_environment())
 
     if args.workload == "mooncake":
         requests, facts = mooncake(

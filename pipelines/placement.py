@@ -145,8 +145,9 @@ class PlacementRouter:
 
 
 def haproxy_enabled() -> bool:
-    """Whether Serve's HTTP runs on HAProxy here (read where the app is built, the
-    controller, whose environment Ray started with)."""
+    """Whether Serve's HTTP runs on HAProxy, as Ray's own build check reads it where the app
+    is built (``serve run``: the controller, whose environment Ray started with; a driver's
+    ``serve.run``: that process, which must set the variable before importing Serve)."""
     from ray.serve._private import constants
 
     return bool(constants.RAY_SERVE_ENABLE_HA_PROXY)

@@ -34,6 +34,10 @@ os.environ.setdefault("RAY_SERVE_PROXY_HEALTH_CHECK_TIMEOUT_S", "60")
 # token against 0.33), its queue really was 30 s deep, and a 64-request burst was refused.
 # Tests compete for the CPU as equals (Ray's own job drivers do the same).
 os.environ.setdefault("RAY_worker_niceness", "0")
+# HAProxy is the tests' ingress (ray_session sets the rest of its environment), decided here
+# too: Serve reads the switch once, at import, and a driver that builds an app with carpool's
+# placement router (pipelines.placement) must agree with the cluster it deploys to.
+os.environ.setdefault("RAY_SERVE_ENABLE_HA_PROXY", "1")
 
 TESTS = Path(__file__).parent
 

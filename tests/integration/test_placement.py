@@ -11,6 +11,7 @@ replica and a repeat finds its prefix only by chance.
 from __future__ import annotations
 
 import os
+import time
 from pathlib import Path
 from typing import Any
 
@@ -85,6 +86,9 @@ def _repeat_prompts(url: str) -> float:
                 timeout=120,
             )
             assert r.status_code == 200, r.text
+            # Paced as a person types: each replica's report (every stats_period_s) has
+            # replaced what the router booked for the request before.
+            time.sleep(0.5)
     total, cached = (a - b for a, b in zip(_cached_tokens(), before, strict=True))
     return cached / total
 
@@ -96,8 +100,9 @@ def test_the_router_sends_each_repeat_where_its_prefix_is(serve_http: str, tiny_
     url = _deploy(serve_http, tiny_lm, "cost")
     try:
         # The first send of each prompt is new wherever it goes; every repeat finds its prefix
-        # cached on the replica the router sent the first one to: close to half of all tokens.
-        assert _repeat_prompts(url) > 0.4
+        # cached on the replica the router sent the first one to: the engine caches whole
+        # 64-token blocks, 192 of a prompt's ~246 tokens, so at most ~0.39 of all tokens.
+        assert _repeat_prompts(url) > 0.3
         # Bad JSON is still the replica's to refuse (the router places it by load alone).
         r = httpx.post(
             f"{url}/v1/completions",
@@ -117,6 +122,6 @@ def test_by_connections_alone_repeats_miss_their_prefix(serve_http: str, tiny_lm
     """The same traffic without the router: the control that shows the test above can fail."""
     url = _deploy(serve_http, tiny_lm, "leastconn")
     try:
-        assert _repeat_prompts(url) < 0.35
+        assert _repeat_prompts(url) < 0.2
     finally:
         serve.delete("it-placement")
