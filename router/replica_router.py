@@ -59,14 +59,9 @@ class CarpoolRequestRouter(RequestRouter):
             list(by_id),
             predicted_output(payload),
         )
-        rest = sorted(
-            (r for r in by_id if r != placement.replica), key=lambda r: placement.costs[r]
-        )
-        return (
-            [[by_id[placement.replica]], [by_id[r] for r in rest]]
-            if rest
-            else [[by_id[placement.replica]]]
-        )
+        # The cheapest alone first; the rest, cheapest first, are Serve's fallbacks.
+        ranked = sorted(by_id, key=lambda r: (r != placement.replica, placement.costs[r]))
+        return [[by_id[ranked[0]]], [by_id[r] for r in ranked[1:]]][: min(2, len(ranked))]
 
     def on_replica_actor_died(self, replica_id: ReplicaID) -> None:
         super().on_replica_actor_died(replica_id)
