@@ -81,9 +81,10 @@ def block_text(hash_id: int, words: int) -> str:
     return " ".join(rng.choice(VOCAB) for _ in range(words)) + ".\n"
 
 
-def _kept(key: int, keep: float) -> bool:
-    # A deterministic draw per conversation (Knuth's multiplicative hash).
-    return ((key * 2654435761) % 2**32) / 2**32 < keep
+def _kept(key: int, keep: float, offset: float = 0.0) -> bool:
+    # A deterministic draw per conversation (Knuth's multiplicative hash): slices at other
+    # offsets are disjoint sets of conversations.
+    return offset <= ((key * 2654435761) % 2**32) / 2**32 < offset + keep
 
 
 def mooncake(
@@ -93,13 +94,14 @@ def mooncake(
     max_blocks: int,
     output_divisor: float,
     path: Path = TRACE,
+    offset: float = 0.0,
 ) -> tuple[list[ReplayRequest], dict[str, Any]]:
     rows = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
     chosen = []
     for i, row in enumerate(rows):
         ids = row["hash_ids"]
         conversation = ids[1] if len(ids) > 1 else -1 - i
-        if _kept(conversation if conversation >= 0 else i + 10**9, keep):
+        if _kept(conversation if conversation >= 0 else i + 10**9, keep, offset):
             chosen.append((row, conversation))
     t0 = chosen[0][0]["timestamp"] / 1000
     span = max(1e-9, chosen[-1][0]["timestamp"] / 1000 - t0)
@@ -129,6 +131,7 @@ def mooncake(
     facts = {
         "trace": "mooncake_conversation_trace.jsonl (Qin et al., FAST 2025; Apache-2.0)",
         "kept_conversations_fraction": keep,
+        "kept_slice_offset": offset,
         "requests": len(requests),
         "conversations": len({r.conversation for r in requests}),
         "time_scale": scale,
@@ -276,6 +279,15 @@ def router_cpu_s() -> float | None:
     return None
 
 
+def router_idle_cpu_per_s(window_s: float = 20.0) -> float | None:
+    """The placement router's CPU seconds per second with no request in flight."""
+    start = router_cpu_s()
+    if start is None:
+        return None
+    time.sleep(window_s)
+    return ((router_cpu_s() or 0.0) - start) / window_s
+
+
 def hit_rates(before: dict[str, Any], after: dict[str, Any]) -> dict[str, float]:
     rates = {}
     for name, now in after.items():
@@ -340,25 +352,63 @@ def deploy_ray_serve_llm(replicas: int, port: int) -> None:
     serve.run(build_openai_app({"llm_configs": [config]}), name="llm", route_prefix="/")
 
 
-def run_ray_serve_llm(replicas: int, requests: list[ReplayRequest]) -> dict[str, Any]:
+def run_ray_serve_llm(replicas: int, rounds: list[list[ReplayRequest]]) -> list[dict[str, Any]]:
     import ray
     from ray import serve
 
     port = free_port()
     base_url = f"http://127.0.0.1:{port}"
+    summaries = []
     try:
         started = time.perf_counter()
         deploy_ray_serve_llm(replicas, port)
         warm(base_url, "/v1/completions")
         ready_s = time.perf_counter() - started
-        outcomes, t0 = asyncio.run(replay(base_url, requests, "/v1/completions"))
+        for requests in rounds:
+            outcomes, t0 = asyncio.run(replay(base_url, requests, "/v1/completions"))
+            summary = summarize(outcomes, t0)
+            summary["replica_prefix_hit_rate"] = {}  # vLLM's counters are not read here
+            summary["deploy_s"] = ready_s
+            summaries.append(summary)
     finally:
         serve.shutdown()
         ray.shutdown()
-    summary = summarize(outcomes, t0)
-    summary["replica_prefix_hit_rate"] = {}  # vLLM's counters are not read here
-    summary["deploy_s"] = ready_s
-    return summary
+    return summaries
+
+
+def run_carpool(
+    replicas: int, policy: str, rounds: list[list[ReplayRequest]]
+) -> list[dict[str, Any]]:
+    """One fresh deployment with ``policy``, then each round's requests in turn."""
+    cluster = ServeCluster(port=free_port(), own_session=True, logical_cpus=4)
+    summaries = []
+    try:
+        cluster.start()
+        started = time.perf_counter()
+        deploy(replicas, policy)
+        warm(cluster.base_url)
+        ready_s = time.perf_counter() - started
+        idle_cpu_per_s = router_idle_cpu_per_s()
+        for requests in rounds:
+            before, cpu_before = replica_counters(), router_cpu_s()
+            wall_before = time.perf_counter()
+            outcomes, t0 = asyncio.run(replay(cluster.base_url, requests))
+            summary = summarize(outcomes, t0)
+            summary["replica_prefix_hit_rate"] = hit_rates(before, replica_counters())
+            if cpu_before is not None and idle_cpu_per_s is not None:
+                # The routing decision's cost: the placement router's CPU per request (its
+                # HTTP from HAProxy's Lua, the body's JSON, the policy), less what the same
+                # replica burns idle over as long (Serve's stats polls, long polls, metrics).
+                cpu = (router_cpu_s() or 0.0) - cpu_before
+                idle = idle_cpu_per_s * (time.perf_counter() - wall_before)
+                summary["router_cpu_ms_per_request"] = 1000 * cpu / len(requests)
+                summary["router_idle_cpu_ms_per_s"] = 1000 * idle_cpu_per_s
+                summary["router_decision_cpu_ms_per_request"] = 1000 * (cpu - idle) / len(requests)
+            summary["deploy_s"] = ready_s
+            summaries.append(summary)
+    finally:
+        cluster.shutdown()
+    return summaries
 
 
 def warm(base_url: str, path: str = "/generate/v1/completions") -> None:
@@ -383,6 +433,13 @@ def main() -> None:
     parser.add_argument("--systems", default="default,carpool,ray-prefix")
     parser.add_argument("--replicas", type=int, default=4)
     parser.add_argument("--rate", type=float, default=0.8, help="mean requests/s offered")
+    parser.add_argument(
+        "--rates",
+        default="",
+        help="a sweep, e.g. 0.6,0.9,1.2: one deployment per system, one round per rate, "
+        "each round other conversations (mooncake: the next --keep slice)",
+    )
+    parser.add_argument("--ttft-p90-target-ms", type=float, default=5000.0)
     parser.add_argument("--keep", type=float, default=0.02, help="mooncake: conversations kept")
     parser.add_argument("--block-words", type=int, default=8)
     parser.add_argument("--max-blocks", type=int, default=64)
@@ -395,22 +452,34 @@ def main() -> None:
     # Before Ray is imported: it reads its auth mode then (token auth, loopback only).
     os.environ.update(local_ray.ray_environment())
 
-    if args.workload == "mooncake":
-        requests, facts = mooncake(
-            args.keep, args.rate, args.block_words, args.max_blocks, args.output_divisor
-        )
-    else:
-        s, u, k = (int(x) for x in args.shared.split(","))
-        requests, facts = shared_prefix(s, u, k, args.rate, args.think_s)
-    if args.limit:
-        requests = requests[: args.limit]
-    facts.update(workload=args.workload, rate=args.rate, replicas=args.replicas)
-    print(json.dumps(facts))
+    rates = [float(r) for r in args.rates.split(",")] if args.rates else [args.rate]
+    rounds, facts_by_round = [], []
+    for i, rate in enumerate(rates):
+        # Each rate replays other conversations (a disjoint slice, or other users), so that
+        # no round finds the cache an earlier round of the same deployment left.
+        if args.workload == "mooncake":
+            requests, facts = mooncake(
+                args.keep,
+                rate,
+                args.block_words,
+                args.max_blocks,
+                args.output_divisor,
+                offset=i * args.keep,
+            )
+        else:
+            s, u, k = (int(x) for x in args.shared.split(","))
+            requests, facts = shared_prefix(s, u, k, rate, args.think_s, seed=i)
+        if args.limit:
+            requests = requests[: args.limit]
+        facts.update(workload=args.workload, rate=rate, replicas=args.replicas)
+        print(json.dumps(facts))
+        rounds.append(requests)
+        facts_by_round.append(facts)
 
     results: dict[str, Any] = {
         "command": "python -m benchmarks.prefix_replay "
         + " ".join(f"--{k.replace('_', '-')} {v}" for k, v in vars(args).items()),
-        "workload": facts,
+        "workload": facts_by_round[0] if len(rates) == 1 else facts_by_round,
         "machine": {"cpus": 2, "python": platform.python_version()},
         "systems": {},
     }
@@ -418,31 +487,37 @@ def main() -> None:
     out.parent.mkdir(parents=True, exist_ok=True)
     for name in args.systems.split(","):
         if name == RAY_SERVE_LLM:
-            results["systems"][name] = _report(name, run_ray_serve_llm(args.replicas, requests))
-            out.write_text(json.dumps(results, indent=2))
-            continue
-        cluster = ServeCluster(port=free_port(), own_session=True, logical_cpus=4)
-        try:
-            cluster.start()
-            started = time.perf_counter()
-            deploy(args.replicas, SYSTEMS[name])
-            warm(cluster.base_url)
-            ready_s = time.perf_counter() - started
-            before, cpu_before = replica_counters(), router_cpu_s()
-            outcomes, t0 = asyncio.run(replay(cluster.base_url, requests))
-            summary = summarize(outcomes, t0)
-            summary["replica_prefix_hit_rate"] = hit_rates(before, replica_counters())
-            if cpu_before is not None:
-                # The routing decision's cost: the placement router's CPU per request (its
-                # HTTP from HAProxy's Lua, the body's JSON, the policy).
-                cpu = (router_cpu_s() or 0.0) - cpu_before
-                summary["router_cpu_ms_per_request"] = 1000 * cpu / len(requests)
-            summary["deploy_s"] = ready_s
-        finally:
-            cluster.shutdown()
-        results["systems"][name] = _report(name, summary)
+            summaries = run_ray_serve_llm(args.replicas, rounds)
+        else:
+            summaries = run_carpool(args.replicas, SYSTEMS[name], rounds)
+        for rate, summary in zip(rates, summaries, strict=True):
+            key = name if len(rates) == 1 else f"{name}@{rate:g}"
+            results["systems"][key] = _report(key, summary)
+        out.write_text(json.dumps(results, indent=2))
+    if len(rates) > 1:
+        results["capacity_rps"] = capacity(results["systems"], args.ttft_p90_target_ms)
+        print(
+            f"highest rate with TTFT p90 <= {args.ttft_p90_target_ms:g} ms and every request "
+            f"answered: {json.dumps(results['capacity_rps'])}"
+        )
         out.write_text(json.dumps(results, indent=2))
     print(f"wrote {out}")
+
+
+def capacity(systems: dict[str, Any], ttft_p90_target_ms: float) -> dict[str, float | None]:
+    """Per system, the highest rate of the sweep it served within the TTFT p90 target."""
+    best: dict[str, float | None] = {}
+    for key, summary in systems.items():
+        name, _, rate = key.partition("@")
+        best.setdefault(name, None)
+        ok = (
+            summary["answered"] == summary["requests"]
+            and summary["ttft_ms"]["p90"] is not None
+            and summary["ttft_ms"]["p90"] <= ttft_p90_target_ms
+        )
+        if ok and (best[name] is None or float(rate) > best[name]):
+            best[name] = float(rate)
+    return best
 
 
 def _report(name: str, summary: dict[str, Any]) -> dict[str, Any]:
@@ -452,7 +527,12 @@ def _report(name: str, summary: dict[str, Any]) -> dict[str, Any]:
         f"{name:13s} answered {summary['answered']}/{summary['requests']} "
         f"TTFT mean {t['mean']:.0f} p50 {t['p50']:.0f} p90 {t['p90']:.0f} "
         f"p99 {t['p99']:.0f} ms  E2E {summary['e2e_s']['mean']:.1f} s  "
-        f"{summary['tokens_per_s']:.1f} tok/s  replica hit rates {hits}",
+        f"{summary['tokens_per_s']:.1f} tok/s  replica hit rates {hits}"
+        + (
+            f"  router CPU {summary['router_decision_cpu_ms_per_request']:.2f} ms/request"
+            if "router_decision_cpu_ms_per_request" in summary
+            else ""
+        ),
         flush=True,
     )
     return summary

@@ -65,6 +65,8 @@ from router.placement import (
     PENDING_DECODE_TOKENS,
     PENDING_PREFILL_TOKENS,
     REPORTED_AT,
+    RUNNING_SEQS,
+    WAITING_SEQS,
 )
 
 logger = logging.getLogger(__name__)
@@ -162,19 +164,25 @@ class GeneratorServer:
         return {CAPACITY_METRIC: float(self.batching.max_num_seqs)}
 
     def record_routing_stats(self) -> dict[str, Any]:
-        """What request routers read to place requests (``router.placement``): the prompt
-        tokens still to prefill and the output tokens still to decode here, and the KV
-        cache's size in tokens. Serve polls it (``request_routing_stats_period_s``)."""
-        prefill = decode = 0
+        """What request routers read to place requests (``router.placement``): how many
+        sequences wait for their first token here and how many decode, the prompt tokens
+        still to prefill and the output tokens still to decode, and the KV cache's size in
+        tokens. Serve polls it (``request_routing_stats_period_s``)."""
+        prefill = decode = waiting = running = 0
         for seq in list(self._live.values()):
             if not seq.output_ids:
+                waiting += 1
                 prefill += len(seq.prompt_ids)
+            else:
+                running += 1
             expected = seq.predicted_tokens or seq.params.max_tokens
             decode += max(0, int(expected) - len(seq.output_ids))
         totals = getattr(self.engine, "totals", {})
         return {
             PENDING_PREFILL_TOKENS: prefill,
             PENDING_DECODE_TOKENS: decode,
+            WAITING_SEQS: waiting,
+            RUNNING_SEQS: running,
             CAPACITY_TOKENS: getattr(self.engine, "kv_capacity_tokens", lambda: 0)(),
             REPORTED_AT: time.time(),
             GENERATION: self._generation,

@@ -58,9 +58,17 @@ class PlacementArgs(StrictModel):
         default=1.0,
         gt=0,
         le=10,
-        description="cost: what prefilling a prompt token costs against one output token "
-        "still to decode on a replica. Decoding is batched (one step serves every running "
-        "sequence) while prefill is paid token by token, so the two are about even: 1.",
+        description="cost: what a prompt token to prefill (the request's own uncached part, "
+        "and the prompts waiting on the replica) weighs in the step that gives the request "
+        "its first token, against decode_weight per sequence decoding there.",
+    )
+    decode_weight: float = Field(
+        default=1.0,
+        ge=0,
+        le=1000,
+        description="cost: what each sequence decoding on a replica weighs: one token in "
+        "every step, so 1. Its tokens still to come are not counted: a step decodes all "
+        "running sequences at once.",
     )
     default_output_tokens: float = Field(
         default=128, gt=0, le=65536, description="cost: output assumed without max_tokens."
@@ -86,6 +94,7 @@ class PlacementArgs(StrictModel):
                 "block_chars": self.block_chars,
                 "chars_per_token": self.chars_per_token,
                 "prefill_weight": self.prefill_weight,
+                "decode_weight": self.decode_weight,
                 "default_output_tokens": self.default_output_tokens,
             }
         return RequestRouterConfig(

@@ -1,13 +1,22 @@
 """Which replica of a generator serves a request: the one where it costs least.
 
-A request's cost on a replica is the work that replica must do before this request's
-answer is out, in decode-token equivalents:
+A request's cost on a replica is the work in the engine step that gives this request its
+first token, in tokens (an engine schedules every running sequence's next token first, then
+the prompts waiting, in order of arrival, up to its token budget):
 
 - the prompt it must prefill, less the prefix the replica still holds in its KV cache
-  (``prefill_weight`` per token, against one output token still to decode there);
-- the work already queued or running there (``outstanding``: the replica's own report,
-  plus what this router sent it since);
+  (``prefill_weight`` per token);
+- the prompts already waiting there, each less what was cached where this router placed it
+  (``waiting_prefill``: the router's own estimate for the requests it sent; a replica reports
+  how many of its sequences still wait for their first token, and those are its latest
+  arrivals, since an engine prefills in order of arrival);
+- one token per sequence decoding there (``decode_weight`` each): a step carries each of
+  them, however many tokens each has left;
 - the request's predicted output (the same on every replica of a tier; it ranks tiers).
+
+The output still to decode on a replica is left out on purpose: a batched step serves all
+of it at once, so 30 sequences with 100 tokens left each delay a new prompt by 30 tokens a
+step, not 3,000, and counting it would outweigh the prefix a replica holds.
 
 Where a prefix is cached is tracked approximately, as llm-d's approximate scheduler and
 Ray's ``PrefixCacheAffinityRouter`` do: the prompt is cut into blocks of ``block_chars``
@@ -24,17 +33,21 @@ twin and the tests call it directly.
 from __future__ import annotations
 
 import time
-from collections import OrderedDict
+from collections import OrderedDict, deque
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 # The key of "no blocks before this one".
 _ROOT = 0x9E3779B97F4A7C15
+# Bookings kept per replica: more than any replica holds waiting.
+_MAX_BOOKINGS = 1024
 
 # What a replica reports (``GeneratorServer.routing_stats``) and the router reads.
 PENDING_PREFILL_TOKENS = "carpool_pending_prefill_tokens"
 PENDING_DECODE_TOKENS = "carpool_pending_decode_tokens"
+WAITING_SEQS = "carpool_waiting_seqs"
+RUNNING_SEQS = "carpool_running_seqs"
 CAPACITY_TOKENS = "carpool_kv_capacity_tokens"
 REPORTED_AT = "carpool_reported_at"
 GENERATION = "carpool_replica_generation"
@@ -101,17 +114,18 @@ class PlacementSettings:
     block_chars: int = 64
     chars_per_token: float = 4.0
     prefill_weight: float = 1.0
+    decode_weight: float = 1.0
     default_output_tokens: float = 128.0
     # When a replica has not reported its KV size yet.
     default_capacity_tokens: int = 32_768
-    # A booking older than this is in the replica's own report (or lost with it).
+    # A booking still waiting after this long was lost (its replica's report says so first).
     booking_ttl_s: float = 30.0
 
 
 @dataclass
 class Booking:
     at: float
-    tokens: float
+    prefill_tokens: float  # the prompt less what was cached where it was placed
 
 
 @dataclass
@@ -142,14 +156,29 @@ class ReplicaCache:
 @dataclass
 class ReplicaState:
     cache: ReplicaCache = field(default_factory=ReplicaCache)
-    reported_tokens: float = 0.0
     reported_at: float = 0.0
-    bookings: list[Booking] = field(default_factory=list)
+    waiting_seqs: int = 0  # sequences without a first token, at the report
+    running_seqs: int = 0  # sequences decoding, at the report
+    waiting_prefill_tokens: float = 0.0  # the replica's own count, cached part included
+    bookings: deque[Booking] = field(default_factory=lambda: deque(maxlen=_MAX_BOOKINGS))
 
-    def outstanding(self, now: float, ttl_s: float) -> float:
-        # Bookings made before the replica's report are in it; older than the TTL are gone.
-        self.bookings = [b for b in self.bookings if b.at > self.reported_at and now - b.at < ttl_s]
-        return self.reported_tokens + sum(b.tokens for b in self.bookings)
+    def outstanding(self, now: float, s: PlacementSettings) -> float:
+        """Tokens in the step that would prefill a request placed here now, its own aside."""
+        while self.bookings and now - self.bookings[0].at >= s.booking_ttl_s:
+            self.bookings.popleft()
+        before = [b for b in self.bookings if b.at <= self.reported_at]
+        since = [b for b in self.bookings if b.at > self.reported_at]
+        # The report's waiting sequences are its latest arrivals: the router's own last
+        # bookings before the report, each with the prefill left after its cached prefix.
+        mine = before[len(before) - self.waiting_seqs :] if self.waiting_seqs else []
+        waiting = sum(b.prefill_tokens for b in mine)
+        if self.waiting_seqs > len(mine):  # sent by another router: the replica's figure
+            waiting += (
+                self.waiting_prefill_tokens * (self.waiting_seqs - len(mine)) / self.waiting_seqs
+            )
+        waiting += sum(b.prefill_tokens for b in since)
+        running = self.running_seqs + len(since)
+        return waiting * s.prefill_weight + running * s.decode_weight
 
 
 @dataclass(frozen=True)
@@ -195,9 +224,9 @@ class PlacementPolicy:
             at = report.get(REPORTED_AT)
             if at is not None and float(at) > state.reported_at:
                 state.reported_at = float(at)
-                prefill = float(report.get(PENDING_PREFILL_TOKENS) or 0.0)
-                decode = float(report.get(PENDING_DECODE_TOKENS) or 0.0)
-                state.reported_tokens = prefill * s.prefill_weight + decode
+                state.waiting_seqs = int(report.get(WAITING_SEQS) or 0)
+                state.running_seqs = int(report.get(RUNNING_SEQS) or 0)
+                state.waiting_prefill_tokens = float(report.get(PENDING_PREFILL_TOKENS) or 0.0)
 
     def choose(
         self,
@@ -220,12 +249,11 @@ class PlacementPolicy:
             hit = state.cache.matched_blocks(keys) * s.block_chars / s.chars_per_token
             matched[replica] = min(hit, prompt_tokens)
             prefill = (prompt_tokens - matched[replica]) * s.prefill_weight
-            costs[replica] = prefill + state.outstanding(now, s.booking_ttl_s) + output
+            costs[replica] = prefill + state.outstanding(now, s) + output
         best = min(candidates, key=lambda r: (costs[r], -matched[r]))
         chosen = self.replicas[best]
         chosen.cache.insert(keys)
-        own = (prompt_tokens - matched[best]) * s.prefill_weight + output
-        chosen.bookings.append(Booking(now, own))
+        chosen.bookings.append(Booking(now, prompt_tokens - matched[best]))
         self.placed += 1
         self.matched_tokens += matched[best]
         self.prompt_tokens += prompt_tokens
@@ -242,7 +270,11 @@ class PlacementPolicy:
             if self.prompt_tokens
             else 0.0,
             "replicas": {
-                r: {"cached_blocks": len(st.cache.keys), "reported_tokens": st.reported_tokens}
+                r: {
+                    "cached_blocks": len(st.cache.keys),
+                    "waiting_seqs": st.waiting_seqs,
+                    "running_seqs": st.running_seqs,
+                }
                 for r, st in self.replicas.items()
             },
         }

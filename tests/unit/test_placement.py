@@ -12,6 +12,8 @@ from router.placement import (
     PENDING_DECODE_TOKENS,
     PENDING_PREFILL_TOKENS,
     REPORTED_AT,
+    RUNNING_SEQS,
+    WAITING_SEQS,
     PlacementPolicy,
     PlacementSettings,
     block_keys,
@@ -92,8 +94,9 @@ def test_load_outweighs_a_small_saving() -> None:
         {
             r: {
                 REPORTED_AT: clock.now + 1,
-                PENDING_PREFILL_TOKENS: 0,
-                PENDING_DECODE_TOKENS: 5000 if r == busy else 0,
+                # Two more prompts wait there, sent by another router: the replica's count.
+                WAITING_SEQS: 3 if r == busy else 0,
+                PENDING_PREFILL_TOKENS: 6000 if r == busy else 0,
             }
             for r in ("a", "b", "c")
         }
@@ -111,9 +114,33 @@ def test_bookings_spread_new_prompts_until_the_replicas_report() -> None:
 def test_a_report_replaces_the_bookings_it_covers() -> None:
     p, clock = policy()
     p.choose("x" * 4000, ["a"], 100)
-    assert p.replicas["a"].outstanding(clock.now, 30) > 100
-    p.sync({"a": {REPORTED_AT: clock.now + 0.1, PENDING_DECODE_TOKENS: 7}})
-    assert p.replicas["a"].outstanding(clock.now + 0.2, 30) == 7
+    assert p.replicas["a"].outstanding(clock.now, p.settings) > 100
+    # Prefilled since: one step token for it while it decodes, whatever it has left.
+    p.sync({"a": {REPORTED_AT: clock.now + 0.1, RUNNING_SEQS: 1, PENDING_DECODE_TOKENS: 5000}})
+    assert p.replicas["a"].outstanding(clock.now + 0.2, p.settings) == 1
+
+
+def test_a_waiting_prompt_counts_what_was_not_cached_where_it_went() -> None:
+    """The replica counts a waiting prompt whole (its engine tells what was cached only
+    after the prefill); the router counts the part its placement did not find cached."""
+    p, clock = policy()
+    history = conversation(1, 3)
+    p.choose(history, ["a"], 16)
+    p.sync({"a": {REPORTED_AT: clock.now + 0.1, WAITING_SEQS: 0}})
+    clock.now += 1
+    repeat = p.choose(history + " and one more question", ["a"], 16)
+    assert repeat.matched_tokens > 0.9 * repeat.prompt_tokens
+    p.sync(
+        {
+            "a": {
+                REPORTED_AT: clock.now + 0.1,
+                WAITING_SEQS: 1,
+                PENDING_PREFILL_TOKENS: repeat.prompt_tokens,
+            }
+        }
+    )
+    waiting = p.replicas["a"].outstanding(clock.now + 0.2, p.settings)
+    assert waiting == repeat.prompt_tokens - repeat.matched_tokens
 
 
 def test_eviction_follows_the_reported_cache_size() -> None:
