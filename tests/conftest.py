@@ -38,6 +38,12 @@ os.environ.setdefault("RAY_worker_niceness", "0")
 # too: Serve reads the switch once, at import, and a driver that builds an app with carpool's
 # placement router (pipelines.placement) must agree with the cluster it deploys to.
 os.environ.setdefault("RAY_SERVE_ENABLE_HA_PROXY", "1")
+# A direct-ingress replica being stopped stays open 30 s (Ray's default), so that a load
+# balancer in front of a cluster can deregister it; here HAProxy is that balancer, on the same
+# box, reloaded within a second or two, and it retries a refused connection. At 30 s every
+# app a test deletes held the suite for half a minute (93 s for one module's three apps).
+# Test-only: the shipped configs keep Ray's default.
+os.environ.setdefault("RAY_SERVE_DIRECT_INGRESS_MIN_DRAINING_PERIOD_S", "5")
 
 TESTS = Path(__file__).parent
 
