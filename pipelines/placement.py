@@ -58,17 +58,17 @@ class PlacementArgs(StrictModel):
         default=1.0,
         gt=0,
         le=10,
-        description="cost: what a prompt token to prefill (the request's own uncached part, "
-        "and the prompts waiting on the replica) weighs in the step that gives the request "
-        "its first token, against decode_weight per sequence decoding there.",
+        description="cost: what a prompt token to prefill weighs (the request's own uncached "
+        "part, and the prompts waiting on the replica), against decode_weight per output "
+        "token still to decode there.",
     )
     decode_weight: float = Field(
         default=1.0,
         ge=0,
-        le=1000,
-        description="cost: what each sequence decoding on a replica weighs: one token in "
-        "every step, so 1. Its tokens still to come are not counted: a step decodes all "
-        "running sequences at once.",
+        le=10,
+        description="cost: what an output token still to decode on a replica weighs. At 1 "
+        "load and cached prefix balance; near 0 the prefix wins and conversations pile onto "
+        "the replicas that hold them (benchmarks/ROUTING.md).",
     )
     default_output_tokens: float = Field(
         default=128, gt=0, le=65536, description="cost: output assumed without max_tokens."

@@ -1,22 +1,22 @@
 """Which replica of a generator serves a request: the one where it costs least.
 
-A request's cost on a replica is the work in the engine step that gives this request its
-first token, in tokens (an engine schedules every running sequence's next token first, then
-the prompts waiting, in order of arrival, up to its token budget):
+A request's cost on a replica is the work that replica must do before this request's
+answer is out, in tokens:
 
 - the prompt it must prefill, less the prefix the replica still holds in its KV cache
   (``prefill_weight`` per token);
-- the prompts already waiting there, each less what was cached where this router placed it
-  (``waiting_prefill``: the router's own estimate for the requests it sent; a replica reports
-  how many of its sequences still wait for their first token, and those are its latest
-  arrivals, since an engine prefills in order of arrival);
-- one token per sequence decoding there (``decode_weight`` each): a step carries each of
-  them, however many tokens each has left;
+- the prompts already waiting there, each less what was cached where this router placed it:
+  the router's own estimate for the requests it sent (a replica reports how many of its
+  sequences still wait for their first token, and those are its latest arrivals, since an
+  engine prefills in order of arrival), so a booking ends when its prefill does;
+- the output still to decode there (``decode_weight`` per token): the replica's report plus
+  what this router sent it since;
 - the request's predicted output (the same on every replica of a tier; it ranks tiers).
 
-The output still to decode on a replica is left out on purpose: a batched step serves all
-of it at once, so 30 sequences with 100 tokens left each delay a new prompt by 30 tokens a
-step, not 3,000, and counting it would outweigh the prefix a replica holds.
+Counting the output still to decode, not just the sequences decoding, is measured: with one
+token per running sequence (a step's share of it) the prefix outweighed load, conversations
+piled onto the replicas that held them, and on the Mooncake replay at the default's capacity
+TTFT p90 was 2.9x leastconn's (benchmarks/ROUTING.md).
 
 Where a prefix is cached is tracked approximately, as llm-d's approximate scheduler and
 Ray's ``PrefixCacheAffinityRouter`` do: the prompt is cut into blocks of ``block_chars``
@@ -126,6 +126,7 @@ class PlacementSettings:
 class Booking:
     at: float
     prefill_tokens: float  # the prompt less what was cached where it was placed
+    output_tokens: float = 0.0
 
 
 @dataclass
@@ -159,11 +160,12 @@ class ReplicaState:
     reported_at: float = 0.0
     waiting_seqs: int = 0  # sequences without a first token, at the report
     running_seqs: int = 0  # sequences decoding, at the report
+    decode_tokens: float = 0.0  # output still to decode, at the report
     waiting_prefill_tokens: float = 0.0  # the replica's own count, cached part included
     bookings: deque[Booking] = field(default_factory=lambda: deque(maxlen=_MAX_BOOKINGS))
 
     def outstanding(self, now: float, s: PlacementSettings) -> float:
-        """Tokens in the step that would prefill a request placed here now, its own aside."""
+        """Tokens this replica still has to prefill and decode, as this router sees it."""
         while self.bookings and now - self.bookings[0].at >= s.booking_ttl_s:
             self.bookings.popleft()
         before = [b for b in self.bookings if b.at <= self.reported_at]
@@ -177,8 +179,8 @@ class ReplicaState:
                 self.waiting_prefill_tokens * (self.waiting_seqs - len(mine)) / self.waiting_seqs
             )
         waiting += sum(b.prefill_tokens for b in since)
-        running = self.running_seqs + len(since)
-        return waiting * s.prefill_weight + running * s.decode_weight
+        decode = self.decode_tokens + sum(b.output_tokens for b in since)
+        return waiting * s.prefill_weight + decode * s.decode_weight
 
 
 @dataclass(frozen=True)
@@ -226,6 +228,7 @@ class PlacementPolicy:
                 state.reported_at = float(at)
                 state.waiting_seqs = int(report.get(WAITING_SEQS) or 0)
                 state.running_seqs = int(report.get(RUNNING_SEQS) or 0)
+                state.decode_tokens = float(report.get(PENDING_DECODE_TOKENS) or 0.0)
                 state.waiting_prefill_tokens = float(report.get(PENDING_PREFILL_TOKENS) or 0.0)
 
     def choose(
@@ -253,7 +256,7 @@ class PlacementPolicy:
         best = min(candidates, key=lambda r: (costs[r], -matched[r]))
         chosen = self.replicas[best]
         chosen.cache.insert(keys)
-        chosen.bookings.append(Booking(now, prompt_tokens - matched[best]))
+        chosen.bookings.append(Booking(now, prompt_tokens - matched[best], output))
         self.placed += 1
         self.matched_tokens += matched[best]
         self.prompt_tokens += prompt_tokens
