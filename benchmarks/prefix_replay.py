@@ -388,24 +388,32 @@ def run_carpool(
         deploy(replicas, policy)
         warm(cluster.base_url)
         ready_s = time.perf_counter() - started
-        idle_cpu_per_s = router_idle_cpu_per_s()
         for requests in rounds:
             before, cpu_before = replica_counters(), router_cpu_s()
             wall_before = time.perf_counter()
             outcomes, t0 = asyncio.run(replay(cluster.base_url, requests))
             summary = summarize(outcomes, t0)
             summary["replica_prefix_hit_rate"] = hit_rates(before, replica_counters())
-            if cpu_before is not None and idle_cpu_per_s is not None:
+            if cpu_before is not None:
                 # The routing decision's cost: the placement router's CPU per request (its
-                # HTTP from HAProxy's Lua, the body's JSON, the policy), less what the same
-                # replica burns idle over as long (Serve's stats polls, long polls, metrics).
+                # HTTP from HAProxy's Lua, the body's JSON, the policy), with the replica's
+                # background work (Serve's stats polls, long polls, metrics) included.
                 cpu = (router_cpu_s() or 0.0) - cpu_before
-                idle = idle_cpu_per_s * (time.perf_counter() - wall_before)
                 summary["router_cpu_ms_per_request"] = 1000 * cpu / len(requests)
-                summary["router_idle_cpu_ms_per_s"] = 1000 * idle_cpu_per_s
-                summary["router_decision_cpu_ms_per_request"] = 1000 * (cpu - idle) / len(requests)
+                summary["router_busy_s"] = time.perf_counter() - wall_before
             summary["deploy_s"] = ready_s
             summaries.append(summary)
+        # The same replica idle after the replay, over a fixed window: what it burns with no
+        # request in flight. The rest of its CPU during a round is the requests'.
+        idle_cpu_per_s = router_idle_cpu_per_s()
+        for summary in summaries:
+            busy_s = summary.pop("router_busy_s", None)
+            if idle_cpu_per_s is not None and busy_s is not None:
+                idle_ms = 1000 * idle_cpu_per_s * busy_s
+                summary["router_idle_cpu_ms_per_s"] = 1000 * idle_cpu_per_s
+                summary["router_decision_cpu_ms_per_request"] = (
+                    summary["router_cpu_ms_per_request"] - idle_ms / summary["requests"]
+                )
     finally:
         cluster.shutdown()
     return summaries
