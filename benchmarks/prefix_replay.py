@@ -42,29 +42,16 @@ import yaml
 from benchmarks.deploy import ServeCluster, free_port
 from benchmarks.stats import percentile
 from carpool import local_ray
+from carpool_twin.mooncake import TraceRequest as ReplayRequest
+from carpool_twin.mooncake import block_text, mooncake
 
 ROOT = Path(__file__).resolve().parents[1]
-TRACE = ROOT.parent / "shared" / "traces" / "mooncake_conversation_trace.jsonl"
 CONFIG = ROOT / "serve-replicas.yaml"
 SYSTEMS = {"default": "leastconn", "carpool": "cost", "ray-prefix": "ray_prefix"}
 # Ray Serve LLM as a user would run it instead (build_openai_app, PrefixCacheAffinityRouter,
 # Serve's Python proxy): only from the vLLM venv, which has vLLM and ray.llm's extras.
 RAY_SERVE_LLM = "ray-serve-llm"
 MODEL_DIR = Path.home() / ".cache" / "carpool" / "models" / "SmolLM2-135M-Instruct"
-# Words blocks are made of: fixed, so that a block's text depends on its hash id alone.
-_SYLLABLES = [c + v for c in "bdfgklmnprstvz" for v in "aeiou"]
-VOCAB = sorted(
-    {"".join(random.Random(i).choice(_SYLLABLES) for _ in range(2 + i % 2)) for i in range(2000)}
-)
-
-
-@dataclass
-class ReplayRequest:
-    at: float  # seconds from the replay's start
-    prompt: str
-    max_tokens: int
-    conversation: int
-    blocks: int
 
 
 @dataclass
@@ -74,73 +61,6 @@ class Outcome:
     done: float | None = None
     tokens: int = 0
     error: str | None = None
-
-
-def block_text(hash_id: int, words: int) -> str:
-    rng = random.Random(hash_id * 1_000_003 + 7)
-    return " ".join(rng.choice(VOCAB) for _ in range(words)) + ".\n"
-
-
-def _kept(key: int, keep: float, offset: float = 0.0) -> bool:
-    # A deterministic draw per conversation (Knuth's multiplicative hash): slices at other
-    # offsets are disjoint sets of conversations.
-    return offset <= ((key * 2654435761) % 2**32) / 2**32 < offset + keep
-
-
-def mooncake(
-    keep: float,
-    rate: float,
-    block_words: int,
-    max_blocks: int,
-    output_divisor: float,
-    path: Path = TRACE,
-    offset: float = 0.0,
-) -> tuple[list[ReplayRequest], dict[str, Any]]:
-    rows = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
-    chosen = []
-    for i, row in enumerate(rows):
-        ids = row["hash_ids"]
-        conversation = ids[1] if len(ids) > 1 else -1 - i
-        if _kept(conversation if conversation >= 0 else i + 10**9, keep, offset):
-            chosen.append((row, conversation))
-    t0 = chosen[0][0]["timestamp"] / 1000
-    span = max(1e-9, chosen[-1][0]["timestamp"] / 1000 - t0)
-    scale = (len(chosen) / rate) / span
-    requests = []
-    seen: set[int] = set()
-    reused = total = 0
-    for row, conversation in chosen:
-        ids = row["hash_ids"][:max_blocks]
-        prefix_open = True
-        for h in ids:
-            total += 1
-            if prefix_open and h in seen:
-                reused += 1
-            else:
-                prefix_open = False
-            seen.add(h)
-        requests.append(
-            ReplayRequest(
-                at=(row["timestamp"] / 1000 - t0) * scale,
-                prompt="".join(block_text(h, block_words) for h in ids),
-                max_tokens=max(1, round(row["output_length"] / output_divisor)),
-                conversation=conversation,
-                blocks=len(ids),
-            )
-        )
-    facts = {
-        "trace": "mooncake_conversation_trace.jsonl (Qin et al., FAST 2025; Apache-2.0)",
-        "kept_conversations_fraction": keep,
-        "kept_slice_offset": offset,
-        "requests": len(requests),
-        "conversations": len({r.conversation for r in requests}),
-        "time_scale": scale,
-        "block": f"512 tokens -> {block_words} words",
-        "max_blocks": max_blocks,
-        "output_divisor": output_divisor,
-        "prefix_blocks_reused_unbounded_cache": reused / total if total else 0.0,
-    }
-    return requests, facts
 
 
 def shared_prefix(

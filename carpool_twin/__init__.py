@@ -10,7 +10,9 @@ no Ray, Serve, FastAPI or pydantic: a profile is measured on a bare GPU machine 
 ``carpool_twin.sim`` (with ``replicas``, ``topology`` and ``traffic``) simulates a serve config
 on a profile with carpool's own policy code (pydantic configs, no Ray); ``carpool_twin.plan``
 and ``python -m carpool_twin.planner`` plan replicas and knobs with it; ``carpool_twin.project``
-projects a traffic mix onto N GPUs.
+projects a traffic mix onto N GPUs. ``python -m carpool_twin.prefix`` (``prefix_engine``,
+``prefix_policies``, ``prefix_sim``) simulates placement across replicas that cache prompt
+prefixes, with carpool's own router, and checks it against the Mooncake replay's runs.
 """
 
 from carpool_twin.profile import (
