@@ -164,6 +164,15 @@ class ReplicaState:
     waiting_prefill_tokens: float = 0.0  # the replica's own count, cached part included
     bookings: deque[Booking] = field(default_factory=lambda: deque(maxlen=_MAX_BOOKINGS))
 
+    def forget_prefilled(self) -> None:
+        """Drops the bookings a new report shows done with their prefill: those before it,
+        all but the last ``waiting_seqs``. No later report can count them again (what waits
+        then arrived later), and ``outstanding`` runs on every request: it scans only what
+        may still wait."""
+        before = sum(1 for b in self.bookings if b.at <= self.reported_at)
+        for _ in range(max(0, before - self.waiting_seqs)):
+            self.bookings.popleft()
+
     def outstanding(self, now: float, s: PlacementSettings) -> float:
         """Tokens this replica still has to prefill and decode, as this router sees it."""
         while self.bookings and now - self.bookings[0].at >= s.booking_ttl_s:
@@ -230,6 +239,7 @@ class PlacementPolicy:
                 state.running_seqs = int(report.get(RUNNING_SEQS) or 0)
                 state.decode_tokens = float(report.get(PENDING_DECODE_TOKENS) or 0.0)
                 state.waiting_prefill_tokens = float(report.get(PENDING_PREFILL_TOKENS) or 0.0)
+                state.forget_prefilled()
 
     def choose(
         self,
