@@ -115,7 +115,15 @@ def test_sigkill_of_the_replica_ends_its_engine_core_and_serve_replaces_it(app: 
                 time.sleep(2)
                 continue
             assert result.completion_tokens
-            assert _engine_cores(pids[0]), "the replacement runs no engine core"
+            # The answer came from a replacement; which process it is, is Serve's business (a
+            # second one may still be starting), so look under every live replica, briefly:
+            # a CI run saw pids[0] with no engine core while the request was answered.
+            settle = time.monotonic() + 10
+            while not any(_engine_cores(p) for p in _replica_pids() if p != replica):
+                assert time.monotonic() < settle, (
+                    f"no replacement replica {_replica_pids()} runs an engine core"
+                )
+                time.sleep(0.5)
             return
         time.sleep(1)
     pytest.fail("Serve brought up no replacement replica within 300 s")
