@@ -6,12 +6,17 @@ mean per-replica prefix hit rate against the measured ones, their relative error
 median error; the box's engine speed is fitted per run on its ``default`` TPOT, the prefill
 pass's share once on the first file's ``default`` TTFT p50 (that row is marked fitted).
 
+``--floor RESULT.json ...`` (``carpool_twin.prefix_floor``) sets each run's TTFT beside the
+floor under any router: the same requests spread ``--stretch`` times further apart (none
+waits for another) and placed by prefix affinity, on the box as the check prices it.
+
 ``--project`` (``carpool_twin.prefix_project``) replays the whole Mooncake trace on 8, 16 and
 64 GPUs (one replica per GPU, serve-gpu.yaml's small engine, ``profiles/gpu-h200.json``): per
 policy, the highest arrival rate whose TTFT p99 meets the SLO, and that replay's figures.
 
     python -m carpool_twin.prefix --check benchmarks/results/prefix-replay-mooncake-2.json \\
         benchmarks/results/prefix-replay-mooncake-4-run1.json --out check.json
+    python -m carpool_twin.prefix --floor benchmarks/results/prefix-replay-mooncake-2-at-0.8.json
     python -m carpool_twin.prefix --project --gpus 8,16,64 --slo-ttft-p99-ms 500 --out proj.json
 """
 
@@ -24,6 +29,7 @@ from pathlib import Path
 
 from carpool_twin.mooncake import TRACE
 from carpool_twin.prefix_check import check, check_table
+from carpool_twin.prefix_floor import DEFAULT_STRETCH, floor, floor_table
 from carpool_twin.prefix_project import PROJECT_POLICIES, project, project_table
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -34,6 +40,7 @@ def main(argv: list[str] | None = None) -> int:
     mode = p.add_mutually_exclusive_group(required=True)
     mode.add_argument("--check", nargs="+", metavar="RESULT.json", help="benchmark result files")
     mode.add_argument("--project", action="store_true", help="project onto --gpus")
+    mode.add_argument("--floor", nargs="+", metavar="RESULT.json", help="placement's floor")
     p.add_argument("--trace", default=str(TRACE), help="the Mooncake conversation trace")
     p.add_argument("--out", help="also write the figures as JSON here")
     p.add_argument("--profile", help="default: cpu-2core (check), gpu-h200 (project)")
@@ -48,6 +55,9 @@ def main(argv: list[str] | None = None) -> int:
         type=float,
         help="check: the prefill pass's factor against the decode pass's (default: fitted on "
         "the first file's --calibrate-on system's TTFT p50)",
+    )
+    p.add_argument(
+        "--stretch", type=float, default=DEFAULT_STRETCH, help="floor: arrivals this much apart"
     )
     p.add_argument("--gpus", default="8,16,64")
     p.add_argument("--policies", default=",".join(PROJECT_POLICIES))
@@ -78,6 +88,18 @@ def main(argv: list[str] | None = None) -> int:
             args.prefill_ratio,
         )
         text = check_table(doc)
+    elif args.floor:
+        doc = floor(
+            args.floor,
+            args.profile or str(ROOT / "profiles" / "cpu-2core.json"),
+            args.config or str(ROOT / "serve-replicas.yaml"),
+            args.host_cores,
+            Path(args.trace),
+            args.seeds,
+            args.prefill_ratio,
+            args.stretch,
+        )
+        text = floor_table(doc)
     else:
         doc = project(
             [int(n) for n in args.gpus.split(",")],

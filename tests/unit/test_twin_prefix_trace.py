@@ -95,3 +95,41 @@ def test_the_check_command_prints_errors_for_a_result_file(
     # The run's speed is fitted on default's TPOT: the twin lands near it.
     assert default["tpot_ms_mean"]["twin"] == pytest.approx(150.0, rel=0.25)
     assert default["hit_rate_mean"]["measured"] == pytest.approx(0.25)
+
+
+@needs_trace
+def test_the_floor_is_below_the_run_it_is_set_against(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    workload = {
+        "kept_conversations_fraction": 0.004,
+        "kept_slice_offset": 0.0,
+        "block": "512 tokens -> 8 words",
+        "max_blocks": 64,
+        "output_divisor": 8.0,
+        "rate": 2.0,
+        "replicas": 2,
+    }
+    requests, _ = twin_trace.mooncake(0.004, 2.0)
+    measured = {
+        "requests": len(requests),
+        "ttft_ms": {"mean": 3000.0, "p50": 2000.0, "p90": 6000.0, "p99": 9000.0},
+        "tpot_ms_mean": 150.0,
+        "replica_prefix_hit_rate": {"a": 0.2, "b": 0.3},
+    }
+    path = tmp_path / "run.json"
+    path.write_text(json.dumps({"workload": workload, "systems": {"default": measured}}))
+    out = tmp_path / "floor.json"
+    args = ["--floor", str(path), "--seeds", "1", "--prefill-ratio", "1", "--out", str(out)]
+    assert main(args) == 0
+    assert "floor / default" in capsys.readouterr().out
+    (row,) = json.loads(out.read_text())["runs"]
+    # Nothing waits and every turn meets its history: below leastconn at the run's arrivals
+    # (2 requests/s of long prompts on 2 replicas queue), and above nothing.
+    for figure in ("mean", "p90"):
+        ttft = row[f"ttft_{figure}_ms"]
+        assert 0 < ttft["floor"] < ttft["twin_default"]
+        assert ttft["floor_vs_measured_default"] == pytest.approx(
+            ttft["floor"] / measured["ttft_ms"][figure]
+        )
+    assert row["floor_hit_rate_mean"] > 0
