@@ -169,14 +169,14 @@ def summarize(outcomes: list[Outcome], t0: float) -> dict[str, Any]:
     }
 
 
-def replica_counters() -> dict[str, dict[str, float]]:
+def replica_counters(app: str = "generate") -> dict[str, dict[str, float]]:
     """Each small replica's cumulative prompt and cached-prompt tokens (its own report)."""
     import ray
 
     counters = {}
     for entry in ray.util.list_named_actors(all_namespaces=True):
         name, namespace = entry["name"], entry["namespace"]
-        if "#small#" not in name:
+        if f"{app}#small#" not in name:
             continue
         stats = ray.get(ray.get_actor(name, namespace=namespace).record_routing_stats.remote())
         counters[name] = {
@@ -186,12 +186,12 @@ def replica_counters() -> dict[str, dict[str, float]]:
     return counters
 
 
-def router_cpu_s() -> float | None:
+def router_cpu_s(app: str = "generate") -> float | None:
     """CPU seconds the placement router's replica has used so far (None: no router)."""
     import ray
 
     for entry in ray.util.list_named_actors(all_namespaces=True):
-        if "#placement_router#" in entry["name"]:
+        if f"{app}#placement_router#" in entry["name"]:
             actor = ray.get_actor(entry["name"], namespace=entry["namespace"])
             pid = ray.get(actor.__ray_call__.remote(lambda _self: os.getpid()))
             fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
@@ -375,12 +375,21 @@ def main() -> None:
     parser.add_argument("--shared", default="4,4,5", help="shared: systems,users,turns")
     parser.add_argument("--think-s", type=float, default=10.0)
     parser.add_argument("--limit", type=int, default=0, help="first N requests only (0: all)")
+    parser.add_argument(
+        "--paired",
+        type=int,
+        default=0,
+        help="N paired rounds at --rate: every system deployed side by side, each round "
+        "replayed by each in turn (benchmarks.prefix_paired); 0: one system after another",
+    )
     parser.add_argument("--out", default="benchmarks/results/prefix-replay.json")
     args = parser.parse_args()
     # Before Ray is imported: it reads its auth mode then (token auth, loopback only).
     os.environ.update(local_ray.ray_environment())
 
     rates = [float(r) for r in args.rates.split(",")] if args.rates else [args.rate]
+    if args.paired:
+        rates = [args.rate] * args.paired
     rounds, facts_by_round = [], []
     for i, rate in enumerate(rates):
         # Each rate replays other conversations (a disjoint slice, or other users), so that
@@ -413,6 +422,15 @@ def main() -> None:
     }
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
+    if args.paired:
+        from benchmarks.prefix_paired import ratio_table, run_paired
+
+        chosen = {name: SYSTEMS[name] for name in args.systems.split(",")}
+        results["paired"] = run_paired(args.replicas, chosen, rounds)
+        out.write_text(json.dumps(results, indent=2))
+        print(ratio_table(results["paired"]))
+        print(f"wrote {out}")
+        return
     for name in args.systems.split(","):
         if name == RAY_SERVE_LLM:
             summaries = run_ray_serve_llm(args.replicas, rounds)

@@ -1,0 +1,183 @@
+"""Paired rounds for ``benchmarks.prefix_replay --paired N``: every system deployed side by
+side on one Ray, then N rounds in which each system in turn (order rotated per round)
+replays the same requests, each round other conversations.
+
+Why: on this box the engines' speed moves by 2x between windows of a few minutes (the
+default's TPOT at 0.8 requests/s was 120 ms in one run and 291 ms in another), so systems
+replayed one after another, each on its own deployment, compare the box's windows as much
+as the systems. Here every round holds a window of each system, ratios are taken round by
+round, and the median of the rounds is reported with their spread.
+
+Each system is the generate app of serve-replicas.yaml as ``prefix_replay`` deploys it,
+under its own name and route prefix (``generate-<system>``), with its own replicas: only
+the one replaying is busy; the others' engines wait with their caches warm from their
+earlier rounds, as the replaying one's is.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import statistics
+import time
+from typing import Any
+
+from benchmarks.deploy import ServeCluster, free_port
+from benchmarks.prefix_replay import (
+    ReplayRequest,
+    app_args,
+    hit_rates,
+    replay,
+    replica_counters,
+    router_cpu_s,
+    summarize,
+    warm,
+)
+
+# Seconds over which each placement router's CPU is read with nothing in flight, after the
+# rounds: what it burns idle (Serve's stats polls, long polls, metrics), taken off its rounds.
+IDLE_WINDOW_S = 20.0
+
+# Figures whose per-round ratio to the default's is reported (lower is better for each).
+RATIO_FIGURES = (
+    ("ttft_mean", lambda s: s["ttft_ms"]["mean"]),
+    ("ttft_p50", lambda s: s["ttft_ms"]["p50"]),
+    ("ttft_p90", lambda s: s["ttft_ms"]["p90"]),
+    ("ttft_p99", lambda s: s["ttft_ms"]["p99"]),
+    ("tpot_mean", lambda s: s["tpot_ms_mean"]),
+    ("e2e_mean", lambda s: s["e2e_s"]["mean"]),
+)
+
+
+def app_name(system: str) -> str:
+    return f"generate-{system}"
+
+
+def deploy_named(replicas: int, policy: str, name: str) -> None:
+    from ray import serve
+
+    from pipelines.generate import build_generate_app
+
+    args, deployment = app_args(replicas, policy)
+    app = build_generate_app(args)
+    app._bound_deployment = app._bound_deployment.options(
+        num_replicas=deployment["num_replicas"],
+        max_ongoing_requests=deployment["max_ongoing_requests"],
+        max_queued_requests=deployment["max_queued_requests"],
+        user_config=deployment["user_config"],
+    )
+    serve.run(app, name=name, route_prefix=f"/{name}")
+
+
+def run_paired(
+    replicas: int, systems: dict[str, str], rounds: list[list[ReplayRequest]]
+) -> dict[str, Any]:
+    """``systems``: name -> placement policy. Returns per-round summaries, pooled figures
+    and per-round ratios to ``default`` (when it is among the systems)."""
+    names = list(systems)
+    # Each system's replicas and router ask for their share of Ray's logical CPUs.
+    cluster = ServeCluster(port=free_port(), own_session=True, logical_cpus=4 * len(names))
+    per_round: list[dict[str, dict[str, Any]]] = []
+    order_log: list[list[str]] = []
+    try:
+        cluster.start()
+        started = time.perf_counter()
+        for name, policy in systems.items():
+            deploy_named(replicas, policy, app_name(name))
+            warm(cluster.base_url, f"/{app_name(name)}/v1/completions")
+        deploy_s = time.perf_counter() - started
+        for i, requests in enumerate(rounds):
+            order = names[i % len(names) :] + names[: i % len(names)]
+            order_log.append(order)
+            results: dict[str, dict[str, Any]] = {}
+            for name in order:
+                app = app_name(name)
+                before, cpu_before = replica_counters(app), router_cpu_s(app)
+                wall_before = time.perf_counter()
+                outcomes, t0 = asyncio.run(
+                    replay(cluster.base_url, requests, f"/{app}/v1/completions")
+                )
+                summary = summarize(outcomes, t0)
+                summary["replica_prefix_hit_rate"] = hit_rates(before, replica_counters(app))
+                if cpu_before is not None:
+                    cpu = (router_cpu_s(app) or 0.0) - cpu_before
+                    summary["router_cpu_ms_per_request"] = 1000 * cpu / len(requests)
+                    summary["router_window_s"] = time.perf_counter() - wall_before
+                results[name] = summary
+                print(_line(i, name, summary), flush=True)
+            per_round.append(results)
+        idle = {name: _idle_cpu_per_s(app_name(name)) for name in names}
+        for results in per_round:
+            for name, summary in results.items():
+                window = summary.pop("router_window_s", None)
+                if idle[name] is not None and window is not None:
+                    idle_ms = 1000 * idle[name] * window / summary["requests"]
+                    summary["router_idle_cpu_ms_per_s"] = 1000 * idle[name]
+                    summary["router_decision_cpu_ms_per_request"] = (
+                        summary["router_cpu_ms_per_request"] - idle_ms
+                    )
+    finally:
+        cluster.shutdown()
+    return {
+        "deploy_s": deploy_s,
+        "orders": order_log,
+        "rounds": per_round,
+        "ratios_to_default": ratios(per_round) if "default" in systems else {},
+    }
+
+
+def _idle_cpu_per_s(app: str) -> float | None:
+    start = router_cpu_s(app)
+    if start is None:
+        return None
+    time.sleep(IDLE_WINDOW_S)
+    return ((router_cpu_s(app) or 0.0) - start) / IDLE_WINDOW_S
+
+
+def ratios(per_round: list[dict[str, dict[str, Any]]]) -> dict[str, dict[str, Any]]:
+    """Per system and figure: each round's ratio to the default's, their median and range."""
+    out: dict[str, dict[str, Any]] = {}
+    for name in per_round[0]:
+        if name == "default":
+            continue
+        out[name] = {}
+        for figure, read in RATIO_FIGURES:
+            values = []
+            for results in per_round:
+                base, mine = read(results["default"]), read(results[name])
+                if base and mine is not None:
+                    values.append(mine / base)
+            out[name][figure] = {
+                "median": statistics.median(values) if values else None,
+                "min": min(values, default=None),
+                "max": max(values, default=None),
+                "rounds": values,
+            }
+    return out
+
+
+def _line(i: int, name: str, s: dict[str, Any]) -> str:
+    t = s["ttft_ms"]
+    hits = ", ".join(f"{v:.2f}" for v in s["replica_prefix_hit_rate"].values())
+    return (
+        f"round {i + 1} {name:11s} answered {s['answered']}/{s['requests']} TTFT mean "
+        f"{t['mean'] or 0:.0f} p50 {t['p50'] or 0:.0f} p90 {t['p90'] or 0:.0f} ms  TPOT "
+        f"{s['tpot_ms_mean'] or 0:.0f} ms  E2E {s['e2e_s']['mean'] or 0:.1f} s  hit rates {hits}"
+    )
+
+
+def ratio_table(doc: dict[str, Any]) -> str:
+    lines = [
+        "| system / default | " + " | ".join(f for f, _ in RATIO_FIGURES) + " |",
+        "|---|" + "---:|" * len(RATIO_FIGURES),
+    ]
+    for name, figures in doc["ratios_to_default"].items():
+        cells = []
+        for figure, _ in RATIO_FIGURES:
+            r = figures[figure]
+            cells.append(
+                "-"
+                if r["median"] is None
+                else f"{r['median']:.2f}x ({r['min']:.2f}-{r['max']:.2f})"
+            )
+        lines.append(f"| {name} | " + " | ".join(cells) + " |")
+    return "\n".join(lines)
