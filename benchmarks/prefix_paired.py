@@ -1,6 +1,8 @@
-"""Paired rounds for ``benchmarks.prefix_replay --paired N``: every system deployed side by
-side on one Ray, then N rounds in which each system in turn (order rotated per round)
-replays the same requests, each round other conversations.
+"""``python -m benchmarks.prefix_paired``: ``benchmarks.prefix_replay``'s replay in paired
+rounds. Every system is deployed side by side on one Ray, then in each of ``--rounds``
+rounds each system in turn (order rotated per round) replays the same requests, each round
+other conversations (the next ``--keep`` slice). Same options as ``prefix_replay``, at one
+``--rate``; prints each round, a table of ratios to the default and writes JSON (``--out``).
 
 Why: on this box the engines' speed moves by 2x between windows of a few minutes (the
 default's TPOT at 0.8 requests/s was 120 ms in one run and 291 ms in another), so systems
@@ -17,14 +19,22 @@ earlier rounds, as the replaying one's is.
 from __future__ import annotations
 
 import asyncio
+import json
+import os
+import platform
 import statistics
 import time
+from pathlib import Path
 from typing import Any
 
 from benchmarks.deploy import ServeCluster, free_port
 from benchmarks.prefix_replay import (
+    SYSTEMS,
     ReplayRequest,
     app_args,
+    arguments,
+    build_rounds,
+    command,
     hit_rates,
     replay,
     replica_counters,
@@ -32,6 +42,7 @@ from benchmarks.prefix_replay import (
     summarize,
     warm,
 )
+from carpool import local_ray
 
 # Seconds over which each placement router's CPU is read with nothing in flight, after the
 # rounds: what it burns idle (Serve's stats polls, long polls, metrics), taken off its rounds.
@@ -181,3 +192,29 @@ def ratio_table(doc: dict[str, Any]) -> str:
             )
         lines.append(f"| {name} | " + " | ".join(cells) + " |")
     return "\n".join(lines)
+
+
+def main() -> None:
+    parser = arguments(__doc__.split("\n\n")[0])
+    parser.add_argument("--rounds", type=int, default=3, help="paired rounds, each its slice")
+    parser.set_defaults(out="benchmarks/results/prefix-replay-paired.json")
+    args = parser.parse_args()
+    # Before Ray is imported: it reads its auth mode then (token auth, loopback only).
+    os.environ.update(local_ray.ray_environment())
+    rounds, facts_by_round = build_rounds(args, [args.rate] * args.rounds)
+    systems = {name: SYSTEMS[name] for name in args.systems.split(",")}
+    results: dict[str, Any] = {
+        "command": command("benchmarks.prefix_paired", args),
+        "workload": facts_by_round,
+        "machine": {"cpus": 2, "python": platform.python_version()},
+        "paired": run_paired(args.replicas, systems, rounds),
+    }
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(results, indent=2))
+    print(ratio_table(results["paired"]))
+    print(f"wrote {out}")
+
+
+if __name__ == "__main__":
+    main()

@@ -355,19 +355,13 @@ def warm(base_url: str, path: str = "/generate/v1/completions") -> None:
         urllib.request.urlopen(req, timeout=300).read()
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+def arguments(description: str) -> argparse.ArgumentParser:
+    """The replay's options (``benchmarks.prefix_paired`` adds its own to them)."""
+    parser = argparse.ArgumentParser(description=description)
     parser.add_argument("--workload", choices=["mooncake", "shared"], default="mooncake")
     parser.add_argument("--systems", default="default,carpool,ray-prefix")
     parser.add_argument("--replicas", type=int, default=4)
     parser.add_argument("--rate", type=float, default=0.8, help="mean requests/s offered")
-    parser.add_argument(
-        "--rates",
-        default="",
-        help="a sweep, e.g. 0.6,0.9,1.2: one deployment per system, one round per rate, "
-        "each round other conversations (mooncake: the next --keep slice)",
-    )
-    parser.add_argument("--ttft-p90-target-ms", type=float, default=5000.0)
     parser.add_argument("--keep", type=float, default=0.02, help="mooncake: conversations kept")
     parser.add_argument("--block-words", type=int, default=8)
     parser.add_argument("--max-blocks", type=int, default=64)
@@ -375,25 +369,17 @@ def main() -> None:
     parser.add_argument("--shared", default="4,4,5", help="shared: systems,users,turns")
     parser.add_argument("--think-s", type=float, default=10.0)
     parser.add_argument("--limit", type=int, default=0, help="first N requests only (0: all)")
-    parser.add_argument(
-        "--paired",
-        type=int,
-        default=0,
-        help="N paired rounds at --rate: every system deployed side by side, each round "
-        "replayed by each in turn (benchmarks.prefix_paired); 0: one system after another",
-    )
     parser.add_argument("--out", default="benchmarks/results/prefix-replay.json")
-    args = parser.parse_args()
-    # Before Ray is imported: it reads its auth mode then (token auth, loopback only).
-    os.environ.update(local_ray.ray_environment())
+    return parser
 
-    rates = [float(r) for r in args.rates.split(",")] if args.rates else [args.rate]
-    if args.paired:
-        rates = [args.rate] * args.paired
+
+def build_rounds(
+    args: argparse.Namespace, rates: list[float]
+) -> tuple[list[list[ReplayRequest]], list[dict[str, Any]]]:
+    """One round of requests per rate, each other conversations (a disjoint slice, or other
+    users), so that no round finds the cache an earlier round of the same deployment left."""
     rounds, facts_by_round = [], []
     for i, rate in enumerate(rates):
-        # Each rate replays other conversations (a disjoint slice, or other users), so that
-        # no round finds the cache an earlier round of the same deployment left.
         if args.workload == "mooncake":
             requests, facts = mooncake(
                 args.keep,
@@ -412,25 +398,38 @@ def main() -> None:
         print(json.dumps(facts))
         rounds.append(requests)
         facts_by_round.append(facts)
+    return rounds, facts_by_round
 
+
+def command(module: str, args: argparse.Namespace) -> str:
+    return f"python -m {module} " + " ".join(
+        f"--{k.replace('_', '-')} {v}" for k, v in vars(args).items()
+    )
+
+
+def main() -> None:
+    parser = arguments(__doc__.split("\n\n")[0])
+    parser.add_argument(
+        "--rates",
+        default="",
+        help="a sweep, e.g. 0.6,0.9,1.2: one deployment per system, one round per rate, "
+        "each round other conversations (mooncake: the next --keep slice)",
+    )
+    parser.add_argument("--ttft-p90-target-ms", type=float, default=5000.0)
+    args = parser.parse_args()
+    # Before Ray is imported: it reads its auth mode then (token auth, loopback only).
+    os.environ.update(local_ray.ray_environment())
+
+    rates = [float(r) for r in args.rates.split(",")] if args.rates else [args.rate]
+    rounds, facts_by_round = build_rounds(args, rates)
     results: dict[str, Any] = {
-        "command": "python -m benchmarks.prefix_replay "
-        + " ".join(f"--{k.replace('_', '-')} {v}" for k, v in vars(args).items()),
+        "command": command("benchmarks.prefix_replay", args),
         "workload": facts_by_round[0] if len(rates) == 1 else facts_by_round,
         "machine": {"cpus": 2, "python": platform.python_version()},
         "systems": {},
     }
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
-    if args.paired:
-        from benchmarks.prefix_paired import ratio_table, run_paired
-
-        chosen = {name: SYSTEMS[name] for name in args.systems.split(",")}
-        results["paired"] = run_paired(args.replicas, chosen, rounds)
-        out.write_text(json.dumps(results, indent=2))
-        print(ratio_table(results["paired"]))
-        print(f"wrote {out}")
-        return
     for name in args.systems.split(","):
         if name == RAY_SERVE_LLM:
             summaries = run_ray_serve_llm(args.replicas, rounds)

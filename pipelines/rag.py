@@ -4,31 +4,32 @@ Every stage is another app's deployment reached by name: the search app's retrie
 shared, persisted index), the rank app's ranker and the generate app's generator. Each stage
 batches on its own, so a slow generation does not hold up other pipelines' embeddings.
 
+rag builds a generation call (the retrieved sources in its system prompt) and answers it on
+the generate path (``pipelines.generate_path``), as ``/generate`` answers its own chat: the
+same router for ``auto``, first-event check, refusal retry, deadlines and formatting, so an
+overloaded generator is a 503 with Retry-After here as there, never a 200 stream that
+carries the error.
+
 Citations are by construction: the model sees the chosen chunks labelled with their document
 ids and is asked to cite them; the response lists exactly those ids (``citations``) and the
 answer text ends with them, so a client can always tell which documents the answer used.
 """
 
-import json
 import time
-import uuid
-from collections.abc import AsyncIterator
+from collections.abc import Mapping
 from typing import Any
 from urllib.parse import quote
 
-from fastapi.responses import JSONResponse
 from pydantic import Field
 from ray import serve
 from ray.serve.deployment import Application
-from ray.serve.handle import DeploymentHandle
 
-from carpool.admission import current_controls
 from carpool.auth import health_body
-from carpool.calls import call_idempotent, call_once
 from carpool.config import IngressConfig, StrictModel
 from carpool.errors import RequestError
+from carpool.generation.hops import GenerationEvent
 from carpool.generation.schemas import GenerationCall
-from carpool.http import MAX_BODY_BYTES, ClosingStreamingResponse, apply_ingress_defaults, make_api
+from carpool.http import MAX_BODY_BYTES, apply_ingress_defaults, make_api
 from carpool.schemas import (
     IngestRequest,
     IngestResponse,
@@ -36,6 +37,7 @@ from carpool.schemas import (
     SearchHit,
     SearchRequest,
 )
+from pipelines.generate_path import AUTO, Additions, ChatForm, EventFormat, GeneratePath
 from pipelines.handler import PipelineHandler
 from pipelines.rag_schemas import RagChatRequest, generation_call
 from pipelines.router_access import ROUTER_DEPLOYMENT, router_handle
@@ -84,8 +86,6 @@ class RagArgs(StrictModel):
     ingress: IngressConfig = Field(default_factory=IngressConfig)
 
 
-# OpenAI chat fields this pipeline cannot honour, each with what to do instead. They are
-# refused by name (400) rather than ignored: a client that sends them expects them to work.
 # The deployment name other apps find this pipeline by (serve.get_deployment_handle).
 RAG_INGRESS = "rag_ingress"
 
@@ -118,18 +118,60 @@ def citation_suffix(ids: list[str]) -> str:
     return "\n\nSources: " + ", ".join(f"[{i}]" for i in ids) if ids else ""
 
 
-class RagHandler(PipelineHandler):
+def citing(hits: list[SearchHit]) -> Additions:
+    """rag's citations on an answer the generate path formats (one choice: ``n`` is 1).
+
+    The ``x-carpool-citations`` header on the response, whole or streamed; a whole answer's
+    text ends with the citation suffix and its body gains ``citations`` and ``sources``; a
+    stream's finishing chunk (the delta that carries ``finish_reason``, which every answer's
+    last delta does) ends with the suffix and carries ``citations``.
+    """
+    ids = cited_ids(hits)
+    suffix = citation_suffix(ids)
+
+    def whole(body: dict[str, Any]) -> None:
+        message = body["choices"][0]["message"]
+        message["content"] = (message["content"] or "") + suffix
+        body["citations"] = ids
+        body["sources"] = [h.model_dump() for h in hits]
+
+    def stream(fmt: EventFormat) -> EventFormat:
+        def cited(event: GenerationEvent) -> list[dict[str, Any]]:
+            chunks = fmt(event)
+            if event.type == "delta" and event.finish_reason is not None and chunks:
+                last = chunks[-1]
+                delta = last["choices"][0]["delta"]
+                delta["content"] = (delta.get("content") or "") + suffix
+                last["citations"] = ids
+            return chunks
+
+        return cited
+
+    return Additions({"x-carpool-citations": citations_header(ids)}, whole, stream)
+
+
+class RagHandler(GeneratePath, PipelineHandler):
     """The RAG pipeline's chat handling; every stage is another app's deployment, by name.
 
     The rag app's ingress and the OpenAI app (``pipelines.openai_api``) both answer with it,
-    so a request is checked and answered the same whichever URL it came in by.
+    so a request is checked and answered the same whichever URL it came in by. ``handles``
+    (by stage: ``retriever``, ``ranker``, ``generator``) replaces the lookup by name, for
+    tests.
     """
 
-    def __init__(self, args: RagArgs, created: int | None = None) -> None:
+    def __init__(
+        self,
+        args: RagArgs,
+        created: int | None = None,
+        handles: Mapping[str, Any] | None = None,
+    ) -> None:
         self.args = args
         self.model_name = args.model_name
-        self._handles: dict[str, Any] = {}
         self.created = created or int(time.time())
+        # The tier that answers, as /generate names it: `auto` is the generate app's router.
+        deployment = args.generator_deployment
+        self.tier = AUTO if deployment == ROUTER_DEPLOYMENT else deployment
+        self._handles: dict[str, Any] = dict(handles or {})
 
     @classmethod
     def attach(cls, app: str, settings: dict[str, Any]) -> "RagHandler":
@@ -140,25 +182,25 @@ class RagHandler(PipelineHandler):
         """
         return cls(RagArgs.model_validate(settings["args"]), settings["created"])
 
-    def _handle(self, deployment: str, app: str) -> DeploymentHandle:
-        # By name at first use: apps deploy in any order.
-        key = f"{app}/{deployment}"
-        if key not in self._handles:
-            self._handles[key] = serve.get_deployment_handle(deployment, app_name=app)
-        return self._handles[key]
+    def _stage(self, stage: str) -> Any:
+        """A stage's handle, looked up by name at first use: apps deploy in any order."""
+        if stage not in self._handles:
+            a = self.args
+            if stage == "generator" and self.tier == AUTO:
+                # `auto` is no deployment: the generate app's ingress hosts the router.
+                self._handles[stage] = router_handle(a.generate_app)
+            else:
+                name, app = {
+                    "retriever": (a.retriever_deployment, a.search_app),
+                    "ranker": (a.rank_deployment, a.rank_app),
+                    "generator": (a.generator_deployment, a.generate_app),
+                }[stage]
+                self._handles[stage] = serve.get_deployment_handle(name, app_name=app)
+        return self._handles[stage]
 
     @property
-    def retriever(self) -> DeploymentHandle:
-        return self._handle(self.args.retriever_deployment, self.args.search_app)
-
-    def _generator(self) -> Any:
-        if self.args.generator_deployment == ROUTER_DEPLOYMENT:
-            # `auto` is no deployment: the generate app's ingress hosts the router.
-            key = f"{self.args.generate_app}/{ROUTER_DEPLOYMENT}"
-            if key not in self._handles:
-                self._handles[key] = router_handle(self.args.generate_app)
-            return self._handles[key]
-        return self._handle(self.args.generator_deployment, self.args.generate_app)
+    def retriever(self) -> Any:
+        return self._stage("retriever")
 
     def _check_model(self, requested: str | None) -> None:
         if requested is not None and requested != self.args.model_name:
@@ -171,19 +213,8 @@ class RagHandler(PipelineHandler):
             )
 
     async def _prepare(self, body: RagChatRequest) -> tuple[list[SearchHit], GenerationCall]:
+        """The sources (retrieved, reranked) and the generation call that cites them."""
         self._check_model(body.model)
-        question = body.question()
-        search = SearchRequest(
-            query=question[:8000],
-            top_k=body.top_k or self.args.top_k,
-            top_n=self.args.context_chunks,
-        )
-        hits = await retrieve_and_rerank(
-            self.retriever,
-            self._handle(self.args.rank_deployment, self.args.rank_app),
-            search,
-            self.args.rerank_weight,
-        )
         max_tokens = body.max_completion_tokens or body.max_tokens or self.args.default_max_tokens
         if max_tokens > self.args.max_tokens_limit:
             raise RequestError(
@@ -192,113 +223,26 @@ class RagHandler(PipelineHandler):
                 f"{self.args.max_tokens_limit}; ask for fewer",
                 param="max_tokens",
             )
+        question = body.question()
+        search = SearchRequest(
+            query=question[:8000],
+            top_k=body.top_k or self.args.top_k,
+            top_n=self.args.context_chunks,
+        )
+        ranker = self._stage("ranker") if self.args.rerank_weight > 0 else None
+        hits = await retrieve_and_rerank(self.retriever, ranker, search, self.args.rerank_weight)
         system = self.args.system_prompt.replace(
             "{sources}", build_sources(hits, self.args.max_source_chars) or "(no sources found)"
         )
         # Validated once, here: the generator (or the router) takes it as it comes.
-        call = GenerationCall.model_validate(
-            generation_call(body, system, max_tokens, current_controls())
-        )
-        return hits, call
+        return hits, GenerationCall.model_validate(generation_call(body, system, max_tokens))
 
     async def chat_response(self, body: RagChatRequest) -> Any:
+        """The cited answer: sources first, then the call answered on the generate path."""
         hits, call = await self._prepare(body)
-        ids = cited_ids(hits)
-        headers = {"x-carpool-citations": citations_header(ids)}
-        if body.stream:
-            return ClosingStreamingResponse(
-                self._stream(call, ids, body.include_usage()),
-                media_type="text/event-stream",
-                headers=headers,
-            )
-        generator = self._generator()
-        # The router retries its own calls to the generators: one loop, not one around it.
-        via_router = self.args.generator_deployment == ROUTER_DEPLOYMENT
-        call_generator = call_once if via_router else call_idempotent
-        result = await call_generator("generator", lambda: generator.generate.remote(call))
-        choice = result.choices[0]
-        response: dict[str, Any] = {
-            "id": f"chatcmpl-{uuid.uuid4().hex}",
-            "object": "chat.completion",
-            "created": int(time.time()),
-            "model": result.model,
-            "choices": [
-                {
-                    "index": 0,
-                    "message": {
-                        "role": "assistant",
-                        "content": choice.text + citation_suffix(ids),
-                    },
-                    "finish_reason": choice.finish_reason,
-                }
-            ],
-            "usage": {
-                "prompt_tokens": result.prompt_tokens,
-                "completion_tokens": result.completion_tokens,
-                "total_tokens": result.prompt_tokens + result.completion_tokens,
-            },
-            "citations": ids,
-            "sources": [h.model_dump() for h in hits],
-        }
-        if result.decision is not None:  # the router's decision: model, lane, escalation
-            response["carpool"] = result.decision.to_dict()
-        return JSONResponse(response, headers=headers)
-
-    async def _stream(
-        self, call: GenerationCall, ids: list[str], include_usage: bool = False
-    ) -> AsyncIterator[str]:
-        stream_id = f"chatcmpl-{uuid.uuid4().hex}"
-        created = int(time.time())
-        model = "unknown"
-
-        def chunk(delta: dict[str, Any] | None, finish: str | None = None, **extra: Any) -> str:
-            body = {
-                "id": stream_id,
-                "object": "chat.completion.chunk",
-                "created": created,
-                "model": model,
-                "choices": []
-                if delta is None
-                else [{"index": 0, "delta": delta, "finish_reason": finish}],
-                **extra,
-            }
-            if include_usage:  # as OpenAI: null on every chunk but the last
-                body.setdefault("usage", None)
-            return f"data: {json.dumps(body)}\n\n"
-
-        finish = "stop"
-        usage: dict[str, int] | None = None
-        events = self._generator().options(stream=True).stream.remote(call)
-        finished = False
-        try:
-            async for event in events:
-                if event.type == "start":
-                    model = event.model
-                    yield chunk({"role": "assistant", "content": ""})
-                elif event.type == "delta":
-                    if event.text:
-                        yield chunk({"content": event.text})
-                    if event.finish_reason is not None:
-                        finish = event.finish_reason
-                elif event.type == "end":
-                    usage = {
-                        "prompt_tokens": event.prompt_tokens,
-                        "completion_tokens": event.completion_tokens,
-                        "total_tokens": event.prompt_tokens + event.completion_tokens,
-                    }
-            finished = True
-            yield chunk({"content": citation_suffix(ids)}, finish, citations=ids)
-            if include_usage and usage is not None:
-                yield chunk(None, usage=usage)
-        except Exception as exc:  # headers are gone: report in-band, as OpenAI streams do
-            message = str(exc.message) if isinstance(exc, RequestError) else "generation failed"
-            yield f"data: {json.dumps({'error': {'message': message}})}\n\n"
-        finally:
-            if not finished:
-                # The client left or the stream broke: free the generator's slot (through the
-                # router) instead of generating for no one.
-                events.cancel()
-        yield "data: [DONE]\n\n"
+        form = ChatForm(stream=bool(body.stream), include_usage=body.include_usage())
+        generator = self._stage("generator")
+        return await self.answer_chat(self.tier, generator, self.tier, call, form, citing(hits))
 
 
 @serve.ingress(api)

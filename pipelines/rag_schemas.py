@@ -157,13 +157,13 @@ class RagChatRequest(WireRequest):
         return bool(self.stream and self.stream_options and self.stream_options.include_usage)
 
 
-def generation_call(
-    body: RagChatRequest, system: str, max_tokens: int, controls: Any
-) -> dict[str, Any]:
+def generation_call(body: RagChatRequest, system: str, max_tokens: int) -> dict[str, Any]:
     """What the generator gets: the sources prompt, the conversation and every sampling field.
 
     Client system/developer messages are kept, after the pipeline's own instructions (the
-    model has one system turn); OpenAI's defaults apply to fields left out or null.
+    model has one system turn); OpenAI's defaults apply to fields left out or null. The
+    request's deadline and priority are added where every generation call gets them, on the
+    generate path (``pipelines.generate_path.with_controls``).
     """
     extra = [m.text() for m in body.messages if m.role in ("system", "developer")]
     if extra:
@@ -183,6 +183,4 @@ def generation_call(
         "seed": body.seed,
         "presence_penalty": body.presence_penalty or 0.0,
         "frequency_penalty": body.frequency_penalty or 0.0,
-        "deadline": controls.deadline,
-        "priority": controls.priority,
     }

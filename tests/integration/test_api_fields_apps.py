@@ -181,6 +181,25 @@ def test_rag_stop_ends_the_answer(apps: DeployedApps) -> None:
     assert stopped.json()["choices"][0]["finish_reason"] == "stop"
 
 
+@pytest.mark.parametrize("app", ["rag", RAG_SMALL])
+def test_rag_a_conversation_the_generator_cannot_fit_is_a_400_streamed_or_not(
+    apps: DeployedApps, app: str
+) -> None:
+    # The generator refuses a prompt over its context at the stream's first event; /rag
+    # answers only once that event is in, as /generate does, so the refusal is a 400 naming
+    # the field rather than an error inside a 200 stream. The question itself is short, so
+    # retrieval and rerank run as usual.
+    earlier = [
+        {"role": "user", "content": "Tell me about rivers."},
+        {"role": "assistant", "content": " ".join(["river"] * 2000)},
+    ]
+    for stream in (False, True):
+        response = _rag(apps, {"messages": [*earlier, *QUESTION], "stream": stream}, app=app)
+        assert response.status_code == 400, (stream, response.text)
+        assert response.json()["error"]["param"] == "messages"
+        assert "Shorten it" in _error(response)
+
+
 def test_rag_streams_usage_when_asked(apps: DeployedApps) -> None:
     body = {
         "messages": QUESTION,

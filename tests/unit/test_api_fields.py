@@ -14,11 +14,6 @@ from pipelines.rag_schemas import RagChatRequest, generation_call
 Q = [{"role": "user", "content": "What colour is the bridge?"}]
 
 
-class _Controls:
-    deadline = None
-    priority = "interactive"
-
-
 def _rag(**fields: object) -> RagChatRequest:
     return RagChatRequest.model_validate({"messages": Q, **fields})
 
@@ -40,7 +35,7 @@ def test_rag_passes_sampling_fields_to_the_generator() -> None:
         presence_penalty=0.5,
         frequency_penalty=-1,
     )
-    call = generation_call(body, "SYS", 5, _Controls())
+    call = generation_call(body, "SYS", 5)
     # What the generator replica reads (its model ignores unknown keys, so check the names).
     from carpool.generation.schemas import GenerationCall
 
@@ -56,11 +51,11 @@ def test_rag_passes_sampling_fields_to_the_generator() -> None:
 
 def test_rag_uses_openai_defaults_for_absent_or_null_fields() -> None:
     for body in (_rag(), _rag(temperature=None, top_p=None, n=None, stop=None, seed=None)):
-        call = generation_call(body, "SYS", 5, _Controls())
+        call = generation_call(body, "SYS", 5)
         assert call["temperature"] == 1.0  # OpenAI's default, not greedy
         assert call["top_p"] == 1.0
         assert call["stop"] == [] and call["seed"] is None
-    assert generation_call(_rag(stop="X"), "S", 5, _Controls())["stop"] == ["X"]
+    assert generation_call(_rag(stop="X"), "S", 5)["stop"] == ["X"]
 
 
 def test_rag_keeps_client_system_messages_after_its_own() -> None:
@@ -79,7 +74,7 @@ def test_rag_keeps_client_system_messages_after_its_own() -> None:
             ]
         }
     )
-    call = generation_call(body, "SOURCES", 5, _Controls())
+    call = generation_call(body, "SOURCES", 5)
     system = call["messages"][0]["content"]
     assert system.startswith("SOURCES") and "Answer in French." in system and "Be brief." in system
     assert [m["role"] for m in call["messages"]] == ["system", "user"]
