@@ -10,6 +10,10 @@ replayed one after another, each on its own deployment, compare the box's window
 as the systems. Here every round holds a window of each system, ratios are taken round by
 round, and the median of the rounds is reported with their spread.
 
+Memory: every system's engines stay loaded, about 2.9 GB each for SmolLM2 with 1 GiB of
+KV; three systems of 2 replicas took 19 of this box's 23 GiB, and Ray restarted Serve's
+controller in the third round of the first run. Results are saved after every round.
+
 Each system is the generate app of serve-replicas.yaml as ``prefix_replay`` deploys it,
 under its own name and route prefix (``generate-<system>``), with its own replicas: only
 the one replaying is busy; the others' engines wait with their caches warm from their
@@ -24,6 +28,7 @@ import os
 import platform
 import statistics
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -31,10 +36,10 @@ from benchmarks.deploy import ServeCluster, free_port
 from benchmarks.prefix_replay import (
     SYSTEMS,
     ReplayRequest,
-    app_args,
     arguments,
     build_rounds,
     command,
+    deploy,
     hit_rates,
     replay,
     replica_counters,
@@ -63,27 +68,15 @@ def app_name(system: str) -> str:
     return f"generate-{system}"
 
 
-def deploy_named(replicas: int, policy: str, name: str) -> None:
-    from ray import serve
-
-    from pipelines.generate import build_generate_app
-
-    args, deployment = app_args(replicas, policy)
-    app = build_generate_app(args)
-    app._bound_deployment = app._bound_deployment.options(
-        num_replicas=deployment["num_replicas"],
-        max_ongoing_requests=deployment["max_ongoing_requests"],
-        max_queued_requests=deployment["max_queued_requests"],
-        user_config=deployment["user_config"],
-    )
-    serve.run(app, name=name, route_prefix=f"/{name}")
-
-
 def run_paired(
-    replicas: int, systems: dict[str, str], rounds: list[list[ReplayRequest]]
+    replicas: int,
+    systems: dict[str, str],
+    rounds: list[list[ReplayRequest]],
+    save: Callable[[dict[str, Any]], None] | None = None,
 ) -> dict[str, Any]:
-    """``systems``: name -> placement policy. Returns per-round summaries, pooled figures
-    and per-round ratios to ``default`` (when it is among the systems)."""
+    """``systems``: name -> placement policy. Returns per-round summaries and per-round
+    ratios to ``default`` (when it is among the systems); ``save`` gets the same after every
+    round, so a run cut short keeps its finished rounds."""
     names = list(systems)
     # Each system's replicas and router ask for their share of Ray's logical CPUs.
     cluster = ServeCluster(port=free_port(), own_session=True, logical_cpus=4 * len(names))
@@ -93,7 +86,7 @@ def run_paired(
         cluster.start()
         started = time.perf_counter()
         for name, policy in systems.items():
-            deploy_named(replicas, policy, app_name(name))
+            deploy(replicas, policy, app_name(name))
             warm(cluster.base_url, f"/{app_name(name)}/v1/completions")
         deploy_s = time.perf_counter() - started
         for i, requests in enumerate(rounds):
@@ -116,6 +109,8 @@ def run_paired(
                 results[name] = summary
                 print(_line(i, name, summary), flush=True)
             per_round.append(results)
+            if save is not None:
+                save(_doc(deploy_s, order_log, per_round, systems))
         idle = {name: _idle_cpu_per_s(app_name(name)) for name in names}
         for results in per_round:
             for name, summary in results.items():
@@ -128,9 +123,18 @@ def run_paired(
                     )
     finally:
         cluster.shutdown()
+    return _doc(deploy_s, order_log, per_round, systems)
+
+
+def _doc(
+    deploy_s: float,
+    orders: list[list[str]],
+    per_round: list[dict[str, dict[str, Any]]],
+    systems: dict[str, str],
+) -> dict[str, Any]:
     return {
         "deploy_s": deploy_s,
-        "orders": order_log,
+        "orders": orders,
         "rounds": per_round,
         "ratios_to_default": ratios(per_round) if "default" in systems else {},
     }
@@ -207,10 +211,14 @@ def main() -> None:
         "command": command("benchmarks.prefix_paired", args),
         "workload": facts_by_round,
         "machine": {"cpus": 2, "python": platform.python_version()},
-        "paired": run_paired(args.replicas, systems, rounds),
     }
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
+
+    def save(paired: dict[str, Any]) -> None:
+        out.write_text(json.dumps({**results, "paired": paired}, indent=2))
+
+    results["paired"] = run_paired(args.replicas, systems, rounds, save)
     out.write_text(json.dumps(results, indent=2))
     print(ratio_table(results["paired"]))
     print(f"wrote {out}")

@@ -228,7 +228,8 @@ def app_args(replicas: int, policy: str) -> tuple[dict[str, Any], dict[str, Any]
     return args, deployment
 
 
-def deploy(replicas: int, policy: str) -> None:
+def deploy(replicas: int, policy: str, name: str = "generate") -> None:
+    """serve-replicas.yaml's generate app with ``policy``, as app ``name`` at ``/name``."""
     from ray import serve
 
     from pipelines.generate import build_generate_app
@@ -242,7 +243,7 @@ def deploy(replicas: int, policy: str) -> None:
         max_queued_requests=deployment["max_queued_requests"],
         user_config=deployment["user_config"],
     )
-    serve.run(app, name="generate", route_prefix="/generate")
+    serve.run(app, name=name, route_prefix=f"/{name}")
 
 
 def deploy_ray_serve_llm(replicas: int, port: int) -> None:

@@ -140,6 +140,18 @@ def _rel(twin: float, measured: float) -> float | None:
     return abs(twin - measured) / measured if measured else None
 
 
+def box(
+    profile_path: str, config_path: str, seeds: int
+) -> tuple[Pricing, PlacementSettings, float, EngineSpec]:
+    """The on-box engines as the twin prices them (the profile's small generator, one thread,
+    fp32) and the placement the config sets, for a replay of ``benchmarks.prefix_replay``."""
+    entry = find_entry(load_profile(profile_path), "small", "cpu", "float32", 1)
+    config = yaml.safe_load(Path(config_path).read_text())
+    settings, period = config_placement(config)
+    spec = engine_spec(config, entry, "cpu", REPLAY_CHARS_PER_TOKEN)
+    return Pricing(entry, seeds=seeds), settings, period, spec
+
+
 def check(
     paths: Sequence[str],
     profile_path: str,
@@ -154,12 +166,8 @@ def check(
 
     ``prefill_ratio`` None: fitted on the first file's ``calibrate_on`` system (its TTFT
     p50, the one figure then fitted rather than predicted)."""
+    pricing, settings, period, spec = box(profile_path, config_path, seeds)
     profile = load_profile(profile_path)
-    entry = find_entry(profile, "small", "cpu", "float32", 1)
-    pricing = Pricing(entry, seeds=seeds)
-    config = yaml.safe_load(Path(config_path).read_text())
-    settings, period = config_placement(config)
-    spec = engine_spec(config, entry, "cpu", REPLAY_CHARS_PER_TOKEN)
     rows = read_rows(trace)
     ratio_fitted_on = None
     if prefill_ratio is None:

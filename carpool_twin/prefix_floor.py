@@ -23,19 +23,16 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
-import yaml
-
 from carpool_twin.mooncake import read_rows
-from carpool_twin.prefix_check import SYSTEMS, fit_ratio, fit_scale, rounds_of, run_requests
-from carpool_twin.prefix_sim import (
-    REPLAY_CHARS_PER_TOKEN,
-    Pricing,
-    config_placement,
-    engine_spec,
-    median,
-    replays,
+from carpool_twin.prefix_check import (
+    SYSTEMS,
+    box,
+    fit_ratio,
+    fit_scale,
+    rounds_of,
+    run_requests,
 )
-from carpool_twin.profile import find_entry, load_profile
+from carpool_twin.prefix_sim import median, replays
 
 # Arrivals this many times further apart: at 0.8 requests/s on 2 replicas, one every 25 s.
 DEFAULT_STRETCH = 20.0
@@ -53,12 +50,7 @@ def floor(
 ) -> dict[str, Any]:
     """Per run (and rate, in a sweep): the floor's TTFT against the run's default (module
     docstring), measured and in the twin."""
-    profile = load_profile(profile_path)
-    entry = find_entry(profile, "small", "cpu", "float32", 1)
-    pricing = Pricing(entry, seeds=seeds)
-    config = yaml.safe_load(Path(config_path).read_text())
-    settings, period = config_placement(config)
-    spec = engine_spec(config, entry, "cpu", REPLAY_CHARS_PER_TOKEN)
+    pricing, settings, period, spec = box(profile_path, config_path, seeds)
     rows = read_rows(trace)
     out: dict[str, Any] = {"stretch": stretch, "runs": []}
     for path in paths:
