@@ -36,7 +36,6 @@ from benchmarks.router_eval.metrics import (
     kendall_tau,
     mae_log,
     normalize,
-    percentile,
     recommend,
     sweep,
 )
@@ -127,7 +126,6 @@ __all__ = [
     "part_cascade",
     "part_lanes",
     "part_predictor",
-    "percentile",
     "previous_sections",
     "recommend",
     "render",

@@ -12,7 +12,6 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from benchmarks.router_eval.metrics import percentile
 from benchmarks.router_eval.models import _features, chat_call, load_jsonl, make_server
 from benchmarks.router_eval.settings import (
     LENGTH_MAX_TOKENS,
@@ -22,6 +21,7 @@ from benchmarks.router_eval.settings import (
     THREADS,
     TRAIN_MAX,
 )
+from benchmarks.stats import percentile
 
 
 @dataclass

@@ -11,10 +11,10 @@ from benchmarks.router_eval.metrics import (
     bucket_accuracy,
     kendall_tau,
     mae_log,
-    percentile,
 )
 from benchmarks.router_eval.models import _bare_router, _features, load_jsonl, true_lengths
 from benchmarks.router_eval.settings import BUCKETS, LENGTH_MAX_TOKENS, PROMPTS_PATH, TRAIN_MAX
+from benchmarks.stats import percentile
 
 
 def part_predictor(refresh: bool, seed: int = 0) -> dict[str, Any]:

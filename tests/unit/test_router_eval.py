@@ -28,7 +28,6 @@ from benchmarks.router_eval import (
     lanes_command,
     mae_log,
     merge_lanes,
-    percentile,
     previous_sections,
     recommend,
     render,
@@ -55,13 +54,6 @@ def test_mae_log_and_buckets():
     assert mae_log([math.e - 1], [0]) == pytest.approx(1.0)
     assert [bucket(t) for t in (1, 16, 17, 64, 65, 500)] == [0, 0, 1, 1, 2, 2]
     assert bucket_accuracy([10, 30, 100, 100], [12, 70, 150, 5]) == pytest.approx(0.5)
-
-
-def test_percentile_interpolates():
-    assert percentile([1, 2, 3, 4, 5], 50) == 3
-    assert percentile([1, 2], 50) == 1.5
-    assert percentile([3, 1, 2], 100) == 3
-    assert math.isnan(percentile([], 50))
 
 
 @pytest.mark.parametrize(
