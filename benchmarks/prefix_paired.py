@@ -26,7 +26,6 @@ import asyncio
 import json
 import os
 import platform
-import statistics
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -47,6 +46,7 @@ from benchmarks.prefix_replay import (
     summarize,
     warm,
 )
+from benchmarks.suite_figures import median_spread, paired_ratios, round_orders
 from carpool import local_ray
 
 # Seconds over which each placement router's CPU is read with nothing in flight, after the
@@ -90,7 +90,7 @@ def run_paired(
             warm(cluster.base_url, f"/{app_name(name)}/v1/completions")
         deploy_s = time.perf_counter() - started
         for i, requests in enumerate(rounds):
-            order = names[i % len(names) :] + names[: i % len(names)]
+            order = round_orders(names, len(rounds))[i]
             order_log.append(order)
             results: dict[str, dict[str, Any]] = {}
             for name in order:
@@ -154,19 +154,15 @@ def ratios(per_round: list[dict[str, dict[str, Any]]]) -> dict[str, dict[str, An
     for name in per_round[0]:
         if name == "default":
             continue
-        out[name] = {}
-        for figure, read in RATIO_FIGURES:
-            values = []
-            for results in per_round:
-                base, mine = read(results["default"]), read(results[name])
-                if base and mine is not None:
-                    values.append(mine / base)
-            out[name][figure] = {
-                "median": statistics.median(values) if values else None,
-                "min": min(values, default=None),
-                "max": max(values, default=None),
-                "rounds": values,
-            }
+        out[name] = {
+            figure: median_spread(
+                paired_ratios(
+                    [read(results[name]) for results in per_round],
+                    [read(results["default"]) for results in per_round],
+                )
+            )
+            for figure, read in RATIO_FIGURES
+        }
     return out
 
 
