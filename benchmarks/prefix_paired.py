@@ -43,6 +43,7 @@ from benchmarks.prefix_replay import (
     replay,
     replica_counters,
     router_cpu_s,
+    router_idle_cpu_per_s,
     summarize,
     warm,
 )
@@ -111,7 +112,7 @@ def run_paired(
             per_round.append(results)
             if save is not None:
                 save(_doc(deploy_s, order_log, per_round, systems))
-        idle = {name: _idle_cpu_per_s(app_name(name)) for name in names}
+        idle = {name: router_idle_cpu_per_s(IDLE_WINDOW_S, app_name(name)) for name in names}
         for results in per_round:
             for name, summary in results.items():
                 window = summary.pop("router_window_s", None)
@@ -138,14 +139,6 @@ def _doc(
         "rounds": per_round,
         "ratios_to_default": ratios(per_round) if "default" in systems else {},
     }
-
-
-def _idle_cpu_per_s(app: str) -> float | None:
-    start = router_cpu_s(app)
-    if start is None:
-        return None
-    time.sleep(IDLE_WINDOW_S)
-    return ((router_cpu_s(app) or 0.0) - start) / IDLE_WINDOW_S
 
 
 def ratios(per_round: list[dict[str, dict[str, Any]]]) -> dict[str, dict[str, Any]]:

@@ -199,13 +199,13 @@ def router_cpu_s(app: str = "generate") -> float | None:
     return None
 
 
-def router_idle_cpu_per_s(window_s: float = 20.0) -> float | None:
+def router_idle_cpu_per_s(window_s: float = 20.0, app: str = "generate") -> float | None:
     """The placement router's CPU seconds per second with no request in flight."""
-    start = router_cpu_s()
+    start = router_cpu_s(app)
     if start is None:
         return None
     time.sleep(window_s)
-    return ((router_cpu_s() or 0.0) - start) / window_s
+    return ((router_cpu_s(app) or 0.0) - start) / window_s
 
 
 def hit_rates(before: dict[str, Any], after: dict[str, Any]) -> dict[str, float]:
